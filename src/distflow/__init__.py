@@ -1,0 +1,2 @@
+from importlib.metadata import version as _v
+__version__ = _v("distflow")

@@ -1,0 +1,92 @@
+"""Process-group set-up and the few collectives distflow itself calls.
+
+Every rank runs the same program (SPMD). The process group is created before anything else,
+because the vLLM engine (external_launcher) and FSDP2 both reuse it. All cross-rank traffic
+outside FSDP goes through the helpers below, so it can be counted and reasoned about.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def init_distributed(backend: str = "auto", device: str = "auto", timeout_s: float = 600.0) -> DistInfo:
+    """Create the default process group from torchrun's env (or a 1-process group without it).
+
+    backend/device "auto": nccl + cuda:LOCAL_RANK when CUDA is available, else gloo + cpu.
+    """
+    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if backend == "auto":
+        backend = "nccl" if device == "cuda" else "gloo"
+    dev = torch.device(f"cuda:{local_rank}") if device == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    else:
+        # Leave each rank an equal share of the cores unless the user pinned threads.
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", str(world))
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=dev if dev.type == "cuda" else None,
+        )
+    return DistInfo(rank, world, local_rank, local_world, dev, backend)
+
+
+def all_reduce(values: torch.Tensor | list[float] | float, op: str = "sum") -> torch.Tensor:
+    """All-reduce a small float64 vector on CPU-equivalent semantics; returns a new CPU tensor.
+
+    On nccl the data must live on the GPU; the helper moves it there and back.
+    """
+    t = torch.as_tensor(values, dtype=torch.float64).clone().reshape(-1)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return t
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    dist.all_reduce(t, op=ops[op])
+    return t.cpu()
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
