@@ -1,0 +1,113 @@
+"""The trainable policy: an HF causal LM sharded with FSDP2, its optimizer and LR schedule.
+
+`fully_shard` wraps each decoder block and then the root, so parameters live as DTensor shards
+and are all-gathered one block at a time in forward/backward. Gradients are averaged over
+ranks by FSDP; the loss code compensates with a global normaliser (see algorithms.losses).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+
+from distflow.config import ModelConfig, OptimConfig
+from distflow.rollout.base import Sample
+
+
+@dataclass
+class TokenBatch:
+    """Right-padded sequences plus where each response sits in them."""
+
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    resp_start: torch.Tensor  # [B] index of the first response token
+    resp_mask: torch.Tensor  # [B, R] 1 on real response tokens
+
+    @staticmethod
+    def from_samples(samples: list[Sample], pad_id: int, device: torch.device) -> "TokenBatch":
+        seqs = [s.prompt_ids + s.response_ids for s in samples]
+        width = max(len(s) for s in seqs)
+        resp_width = max(1, max(len(s.response_ids) for s in samples))
+        ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+        attn = torch.zeros((len(seqs), width), dtype=torch.long)
+        rmask = torch.zeros((len(seqs), resp_width), dtype=torch.float32)
+        for i, (seq, s) in enumerate(zip(seqs, samples)):
+            ids[i, : len(seq)] = torch.tensor(seq)
+            attn[i, : len(seq)] = 1
+            rmask[i, : len(s.response_ids)] = 1.0
+        start = torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long)
+        return TokenBatch(ids.to(device), attn.to(device), start.to(device), rmask.to(device))
+
+
+def _decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        layers = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), None)
+    if layers is None:
+        raise ValueError(f"cannot find the decoder blocks of {type(model).__name__} to shard")
+    return list(layers)
+
+
+class Policy:
+    def __init__(self, model_path: str, model_cfg: ModelConfig, optim: OptimConfig, device: torch.device, world_size: int):
+        self.device = device
+        # fp32 master weights always; bf16/fp16 only as FSDP's compute dtype.
+        model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch.float32, trust_remote_code=model_cfg.trust_remote_code
+        )
+        model.config.use_cache = False
+        mesh = init_device_mesh(device.type, (world_size,))
+        compute = getattr(torch, model_cfg.dtype)
+        mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute != torch.float32 else MixedPrecisionPolicy()
+        for block in _decoder_blocks(model):
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        self.model = model.to(device)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=optim.lr,
+            betas=(optim.beta1, optim.beta2),
+            weight_decay=optim.weight_decay,
+        )
+        warmup = optim.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
+        )
+        self.max_grad_norm = optim.max_grad_norm
+
+    def logprobs(self, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
+        """log p(response token | prefix) at `temperature`, shape [B, R] (0 beyond each response)."""
+        logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        width = batch.resp_mask.shape[1]
+        # the token at position p is predicted by the logits at p - 1
+        pos = (batch.resp_start[:, None] - 1 + torch.arange(width, device=logits.device)[None, :])
+        pos = pos.clamp(max=logits.shape[1] - 2)
+        sel = logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1])).float() / temperature
+        targets = batch.input_ids.gather(1, pos + 1)
+        lp = sel.gather(-1, targets[..., None]).squeeze(-1) - torch.logsumexp(sel, dim=-1)
+        if not torch.is_grad_enabled():
+            # FSDP2 keeps the root unsharded after forward in anticipation of backward; with no
+            # backward coming, reshard so parameters are DTensor shards again (optimizer, sync).
+            self.model.reshard()
+        return lp * batch.resp_mask
+
+    def step(self) -> float:
+        """Clip gradients, take one optimizer step; returns the pre-clip global grad norm."""
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])

@@ -1,0 +1,52 @@
+"""The rollout-engine protocol: token ids in, token ids and sampling logprobs out.
+
+Engines never see text or rewards, only token ids, so the policy trains on exactly the tokens
+that were sampled (no decode/re-encode drift).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Protocol
+
+import torch
+
+from distflow.config import ModelConfig, RolloutConfig
+
+
+@dataclass
+class Sample:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    # Log-probability of each response token under the engine's sampling distribution
+    # (after temperature), as the engine computed it.
+    logprobs: list[float]
+    truncated: bool  # hit max_new_tokens without an end-of-sequence token
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]], n: int, seeds: list[int], greedy: bool = False) -> list[list[Sample]]:
+        """n samples for each prompt (grouped by prompt); seeds make sampling reproducible."""
+
+    def prompt_logprobs(self, seqs: list[list[int]]) -> list[list[float]]:
+        """logp(seq[t] | seq[:t]) for t >= 1 at temperature 1: used to verify weight sync."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace all weights in place from a stream of (HF parameter name, full tensor)."""
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+def build_engine(model_path: str, model: ModelConfig, rollout: RolloutConfig, device: torch.device, seed: int) -> RolloutEngine:
+    """Construct the configured engine. Must be called on every rank together (vLLM runs a collective)."""
+    if rollout.engine == "vllm":
+        from distflow.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_path, model, rollout, device, seed)
+    from distflow.rollout.hf_engine import HFEngine
+
+    return HFEngine(model_path, model, rollout, device)

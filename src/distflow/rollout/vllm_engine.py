@@ -1,0 +1,114 @@
+"""vLLM rollout engine, one per rank, in the rank's own process.
+
+`distributed_executor_backend="external_launcher"` makes vLLM reuse the torchrun process group
+instead of spawning workers, so each rank owns an independent tensor_parallel_size=1 engine.
+The process group must exist before construction, and all ranks construct together.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+import torch
+
+from distflow.config import ModelConfig, RolloutConfig
+from distflow.rollout.base import Sample
+
+
+def _repack_tied_lm_head(worker) -> None:
+    """On CPU vLLM pre-packs linear weights; a head tied to the embedding must be re-packed
+    after the embedding changed, or generation keeps using the old head."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    model = worker.model_runner.get_model()
+    head = getattr(model, "lm_head", None)
+    if head is not None and hasattr(head, "weight") and head.weight.dim() == 2:
+        dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+
+
+class VLLMEngine:
+    def __init__(self, model_path: str, model: ModelConfig, rollout: RolloutConfig, device: torch.device, seed: int):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        on_cpu = device.type == "cpu"
+        if on_cpu:
+            # GiB of KV cache per engine; vLLM's CPU default reserves most of RAM per engine.
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(rollout.kv_cache_gib))))
+        from vllm import LLM
+
+        self.cfg = rollout
+        self.on_cpu = on_cpu
+        kwargs = dict(
+            model=model_path,
+            dtype=model.dtype,
+            enforce_eager=rollout.enforce_eager,
+            max_model_len=rollout.max_prompt_tokens + rollout.max_new_tokens,
+            tensor_parallel_size=1,
+            distributed_executor_backend="external_launcher",
+            seed=seed,
+            logprobs_mode="processed_logprobs",
+            trust_remote_code=model.trust_remote_code,
+        )
+        if not on_cpu:
+            kwargs.update(gpu_memory_utilization=rollout.gpu_memory_utilization, enable_sleep_mode=rollout.sleep_during_update)
+        self.llm = LLM(**kwargs)
+        self.tied_head = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
+        self.sleeping = False
+
+    def _sampling_params(self, n: int, seed: int | None, greedy: bool):
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=n,
+            temperature=0.0 if greedy else self.cfg.temperature,
+            top_p=1.0 if greedy else self.cfg.top_p,
+            max_tokens=self.cfg.max_new_tokens,
+            logprobs=0,
+            seed=seed,
+        )
+
+    def generate(self, prompts: list[list[int]], n: int, seeds: list[int], greedy: bool = False) -> list[list[Sample]]:
+        from vllm.inputs import TokensPrompt
+
+        params = [self._sampling_params(n, s, greedy) for s in seeds]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        groups = []
+        for prompt, out in zip(prompts, outs):
+            group = []
+            for c in out.outputs:
+                ids = list(c.token_ids)
+                lps = [lp[t].logprob for lp, t in zip(c.logprobs, ids)] if c.logprobs else [0.0] * len(ids)
+                group.append(Sample(list(prompt), ids, lps, truncated=c.finish_reason == "length"))
+            groups.append(group)
+        return groups
+
+    def prompt_logprobs(self, seqs: list[list[int]]) -> list[list[float]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        # prompt_logprobs is computed from raw logits (temperature does not apply to prompts).
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=False)
+        return [[d[t].logprob for d, t in zip(o.prompt_logprobs[1:], s[1:])] for o, s in zip(outs, seqs)]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # In-process executor: the iterator is consumed lazily inside vLLM's loader, so
+        # parameters stream from the FSDP shards straight into the engine's tensors.
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if self.tied_head and self.on_cpu:
+            self.llm.collective_rpc(_repack_tied_lm_head)
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        if not self.on_cpu and self.cfg.sleep_during_update and not self.sleeping:
+            self.llm.sleep(level=1)
+            self.sleeping = True
+
+    def wake_up(self) -> None:
+        if self.sleeping:
+            self.llm.wake_up()
+            self.sleeping = False
+
+    def shutdown(self) -> None:
+        # vLLM's shutdown tears down the default process group: callers do this last.
+        del self.llm
