@@ -1,0 +1,18 @@
+import os
+import sys
+
+import pytest
+
+# Nothing in the test suite may reach for a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """The tiny offline model, built once per test session."""
+    from distflow.models.tiny import build_tiny_model
+
+    return build_tiny_model(str(tmp_path_factory.mktemp("models")))

@@ -1,0 +1,30 @@
+"""Launch recipes/grpo.py under torchrun as a user would, for end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from dist_helpers import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+
+
+def torchrun(overrides: list[str], nproc: int = 2, timeout: float = 600, extra_env: dict | None = None,
+             torchrun_args: list[str] | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    env.update(extra_env or {})
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", *(torchrun_args or []),
+           str(ROOT / "recipes" / "grpo.py"), *overrides]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(output_dir) -> list[dict]:
+    with open(Path(output_dir) / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,141 @@
+"""The offline tiny model: builds, loads in transformers and vLLM, deterministic, race-safe."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from distflow.models.tiny import MARKER, build_tiny_model, resolve_model_path
+
+CONVERSATION = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is 12 + 7?"},
+    {"role": "assistant", "content": "12 + 7 = 19. The answer is 19."},
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return build_tiny_model(str(tmp_path_factory.mktemp("cache")))
+
+
+def _load(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return tok, model
+
+
+def test_builds_and_loads_in_transformers(model_dir):
+    tok, model = _load(model_dir)
+    cfg = model.config
+    assert (Path(model_dir) / MARKER).is_file()
+    assert Path(model_dir).name.startswith("tiny-qwen2-")
+    assert cfg.architectures == ["Qwen2ForCausalLM"] and cfg.tie_word_embeddings
+    assert cfg.hidden_size // cfg.num_attention_heads == 32
+    assert 256 < len(tok) <= cfg.vocab_size and cfg.vocab_size % 64 == 0
+    assert cfg.eos_token_id == tok.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+    assert cfg.pad_token_id == tok.pad_token_id == tok.convert_tokens_to_ids("<|endoftext|>")
+    assert model.generation_config.eos_token_id == [tok.eos_token_id, tok.pad_token_id]
+
+    text = "What is 12 + 7? The answer is 19."
+    ids = tok(text)["input_ids"]
+    assert tok.decode(ids) == text
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits
+    assert logits.shape == (1, len(ids), cfg.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_chat_template(model_dir):
+    tok, _ = _load(model_dir)
+    rendered = tok.apply_chat_template(CONVERSATION[:2], tokenize=False, add_generation_prompt=True)
+    assert rendered == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nWhat is 12 + 7?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    full = tok.apply_chat_template(CONVERSATION, tokenize=False)
+    assert full.endswith("The answer is 19.<|im_end|>\n") and "assistant" not in full[-30:]
+    ids = tok(full, add_special_tokens=False)["input_ids"]
+    assert ids.count(tok.convert_tokens_to_ids("<|im_start|>")) == 3
+    assert ids.count(tok.eos_token_id) == 3
+    assert tok.decode(ids) == full
+
+
+def test_deterministic_across_cache_dirs(model_dir, tmp_path):
+    other = build_tiny_model(str(tmp_path))
+    assert Path(other).name == Path(model_dir).name
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (Path(other) / name).read_bytes() == (Path(model_dir) / name).read_bytes(), name
+
+
+def test_half_written_folder_is_rebuilt(tmp_path):
+    path = Path(build_tiny_model(str(tmp_path)))
+    (path / MARKER).unlink()
+    (path / "model.safetensors").write_bytes(b"garbage")
+    assert build_tiny_model(str(tmp_path)) == str(path)
+    assert (path / MARKER).is_file()
+    assert (path / "model.safetensors").stat().st_size > 1000
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
+
+
+def test_concurrent_builds(model_dir, tmp_path):
+    """Two processes race to build; both get the same finished folder, identical to ours."""
+    code = "import sys; from distflow.models.tiny import build_tiny_model; print(build_tiny_model(sys.argv[1]))"
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert outs[0] == outs[1] and (Path(outs[0]) / MARKER).is_file()
+    assert (Path(outs[0]) / "model.safetensors").read_bytes() == (Path(model_dir) / "model.safetensors").read_bytes()
+
+
+def test_resolve_model_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTFLOW_CACHE", str(tmp_path))
+    assert resolve_model_path("tiny").startswith(str(tmp_path))
+    assert resolve_model_path("~/x") == os.path.expanduser("~/x")
+    assert resolve_model_path("/abs/model") == "/abs/model"
+
+
+VLLM_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from vllm import LLM, SamplingParams, TokensPrompt
+    model_dir, prompts = sys.argv[1], json.loads(sys.argv[2])
+    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts],
+                        SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    result = [[d[t].logprob for t, d in zip(ids[1:], o.prompt_logprobs[1:])] for ids, o in zip(prompts, outs)]
+    print("RESULT " + json.dumps(result))
+""")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
+def test_vllm_prompt_logprobs_match_transformers(model_dir, tmp_path):
+    tok, model = _load(model_dir)
+    prompts = [
+        tok.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True)["input_ids"],
+        tok("What is 12 + 7? The answer is 19.")["input_ids"],
+    ]
+    script = tmp_path / "vllm_logprobs.py"
+    script.write_text(VLLM_SCRIPT)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run([sys.executable, str(script), model_dir, json.dumps(prompts)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
+    vllm_logprobs = json.loads(line[len("RESULT "):])
+
+    for ids, got in zip(prompts, vllm_logprobs):
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+        want = logp[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+        assert len(got) == len(ids) - 1
+        assert (torch.tensor(got) - want).abs().max().item() < 1e-5
