@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Dict, List, Optional
 
 
 class ConfigError(ValueError):
@@ -45,12 +45,34 @@ class RolloutConfig:
 class AlgorithmConfig:
     name: str = "grpo"
     group_size: int = 4  # samples per prompt, all generated and scored on the same rank
+    # Advantage estimator: grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae
+    advantage: str = "grpo"
     scale_rewards: bool = True  # divide by the group std (GRPO); false = Dr. GRPO style
+    # Policy loss: ppo_clip | gspo | cispo
+    policy_loss: str = "ppo_clip"
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
+    dual_clip_c: Optional[float] = None  # dual-clip lower bound for negative advantages (e.g. 3.0)
     loss_agg_mode: str = "token-mean"
     ppo_epochs: int = 1
     eps: float = 1e-6  # added to the group std
+    # KL to a frozen reference policy; beta = 0 builds no reference model at all.
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"  # k1 | k2 | k3
+    kl_in_reward: bool = False  # subtract beta*KL from rewards instead of adding it to the loss
+    entropy_coef: float = 0.0
+    # Truncated importance sampling against the engine's own sampling logprobs (None = off).
+    tis_cap: Optional[float] = None
+    # DAPO dynamic sampling: drop groups with all-equal rewards, resample up to max rounds.
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 3
+    # DAPO overlong handling: drop truncated samples from the loss / soft length penalty.
+    overlong_filter: bool = False
+    overlong_buffer_len: int = 0
+    overlong_penalty: float = 1.0
+    # PPO / GAE
+    gamma: float = 1.0
+    lam: float = 1.0
 
 
 @dataclass
@@ -81,6 +103,17 @@ class TaskConfig:
     split: str = "train"
     # A built-in reward name or "package.module:function" (see distflow.rewards.registry).
     reward: str = "numeric"
+    # Weighted combination {reward spec: weight}; when non-empty it replaces `reward`.
+    rewards: Dict[str, float] = field(default_factory=dict)
+    reward_timeout_s: float = 10.0  # hard per-call limit, enforced in worker processes
+    reward_workers: int = 2
+    # Procedural tasks (name=reasoning_gym): dataset name, its config, sizes and seeds.
+    gym_dataset: str = "basic_arithmetic"
+    gym_config: Dict[str, Any] = field(default_factory=dict)
+    size: int = 1000
+    seed: int = 0
+    heldout_size: int = 0  # 0 = no held-out split
+    heldout_seed: int = 1_000_003  # a different seed: held-out items are disjoint from training
 
 
 @dataclass
@@ -94,6 +127,21 @@ class TrainerConfig:
     # Sequences of each step used to check engine logprobs against the policy after resync.
     sync_probe_seqs: int = 2
     progress_bar: bool = True
+    loggers: List[str] = field(default_factory=lambda: ["console", "jsonl"])  # + wandb, tensorboard
+    wandb_project: str = "distflow"
+    plot_at_end: bool = True
+    # Checkpointing (torch.distributed.checkpoint) and resume.
+    checkpoint_every: int = 0  # 0 = only at the end
+    keep_last: int = 2
+    resume: str = "auto"  # auto | never | <checkpoint path>
+    export_at_end: bool = False  # also write a plain HF folder at the end
+    # Validation on the held-out split.
+    val_every: int = 0
+    val_before_train: bool = False
+    val_at_end: bool = False
+    val_pass_k: int = 0  # 0 = greedy pass@1 only
+    # Test-only fault injection: "rank:step" makes that rank SIGKILL itself during that step.
+    fault_kill: str = ""
 
 
 @dataclass
