@@ -12,6 +12,7 @@ import sys
 import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from distflow.config import ConfigError, DistflowConfig
 
@@ -33,6 +34,7 @@ def _prepare_argv() -> None:
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
 
 
+@record
 @hydra.main(config_path=".", config_name="grpo", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from distflow.trainer import Trainer
@@ -45,6 +47,10 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     try:
         trainer.train()
+    except Exception as e:
+        # name the failing rank; torchrun then stops the others (or they time out in a collective)
+        print(f"distflow: rank {os.environ.get('RANK', '0')} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        raise
     finally:
         trainer.close()
 

@@ -140,8 +140,8 @@ class TrainerConfig:
     val_before_train: bool = False
     val_at_end: bool = False
     val_pass_k: int = 0  # 0 = greedy pass@1 only
-    # Test-only fault injection: "rank:step" makes that rank SIGKILL itself during that step.
-    fault_kill: str = ""
+    # Test-only fault injection: "RANK:STEP[:kill|raise]" fails that rank during that step.
+    fault_inject: str = ""
 
 
 @dataclass

@@ -57,14 +57,31 @@ def init_distributed(backend: str = "auto", device: str = "auto", timeout_s: flo
     os.environ.setdefault("WORLD_SIZE", str(world))
     os.environ.setdefault("LOCAL_RANK", str(local_rank))
     if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend=backend,
+            store=_attempt_store(world, timeout),
             rank=rank,
             world_size=world,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=timeout,
             device_id=dev if dev.type == "cuda" else None,
         )
     return DistInfo(rank, world, local_rank, local_world, dev, backend)
+
+
+def _attempt_store(world: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun restarts, a store namespace per attempt.
+
+    torchrun reuses its agent's TCPStore across restarts; without a per-attempt prefix a
+    restarted rank can read a dead peer's gloo address from the previous attempt and fail
+    to connect. None means: let init_process_group use env:// as usual.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                         is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"distflow/attempt_{attempt}", base)
 
 
 def all_reduce(values: torch.Tensor | list[float] | float, op: str = "sum") -> torch.Tensor:
@@ -80,6 +97,15 @@ def all_reduce(values: torch.Tensor | list[float] | float, op: str = "sum") -> t
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     dist.all_reduce(t, op=ops[op])
     return t.cpu()
+
+
+def broadcast_object(obj):
+    """Rank 0's value of a small picklable object, on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def barrier() -> None:

@@ -8,20 +8,26 @@ FSDP's collectives and a few small all_reduces (global token counts, metrics).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
 import random
+import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoTokenizer
 
 from distflow.algorithms import group_normalized_advantages
+from distflow.checkpoint import Checkpointer, ModelOptimState, resolve_resume, rng_state, set_rng_state
 from distflow.config import DistflowConfig
 from distflow.data.prompts import PromptItem, load_prompts
 from distflow.data.sampler import ShardedSampler
-from distflow.distributed import init_distributed, shutdown
+from distflow.distributed import barrier, broadcast_object, init_distributed, shutdown
 from distflow.metrics import MetricLogger, reduce_step_metrics
 from distflow.models.tiny import resolve_model_path
 from distflow.policy import Policy, TokenBatch
@@ -68,17 +74,22 @@ class Trainer:
         self.engine = build_engine(self.model_path, cfg.model, cfg.rollout, self.dist.device, t.seed)
         self.policy = Policy(self.model_path, cfg.model, cfg.optim, self.dist.device, self.dist.world_size)
         self.engine_dtype = getattr(torch, cfg.model.dtype)
-        self.logger = MetricLogger(t.output_dir, self.dist.is_main, t.steps, t.progress_bar)
+        self.checkpointer = Checkpointer(t.output_dir, t.keep_last, self.dist.rank)
         self.step = 0
+        self.history: list[dict] = []  # every logged step, kept so a resume can rewrite metrics.jsonl
+        self.resume()
+        self.logger = MetricLogger(t.output_dir, self.dist.is_main, t.steps, t.progress_bar)
 
     # ----------------------------------------------------------------- the loop
     def train(self) -> None:
-        for _ in range(self.cfg.trainer.steps):
+        t = self.cfg.trainer
+        while self.step < t.steps:
             self.step += 1
             timing: dict[str, float] = {}
             t0 = time.perf_counter()
             with _timed(timing, "generate"):
                 batch = self.generate()
+            inject_fault(t.fault_inject, self.dist.rank, self.step)
             with _timed(timing, "reward"):
                 self.score(batch)
             self.compute_advantages(batch)
@@ -93,7 +104,45 @@ class Trainer:
             with _timed(timing, "probe"):
                 probe_diff = self.probe_sync(batch)
             timing["step"] = time.perf_counter() - t0
-            self.logger.log(self.step_metrics(batch, timing, update_stats, probe_diff))
+            metrics = self.step_metrics(batch, timing, update_stats, probe_diff)
+            self.history.append(metrics)
+            self.logger.log(metrics)
+            if self.step == t.steps or (t.checkpoint_every and self.step % t.checkpoint_every == 0):
+                self.save_checkpoint()
+        if t.export_at_end:
+            self.export(os.path.join(t.output_dir, "hf_model"))
+
+    # ----------------------------------------------------------------- checkpoints
+    def save_checkpoint(self) -> None:
+        rank_state = {"rng": rng_state(), "sampler": self.sampler.state_dict()}
+        shared = {"history": self.history, "scheduler": self.policy.scheduler.state_dict(),
+                  "model_path": self.model_path, "world_size": self.dist.world_size}
+        self.checkpointer.save(self.step, ModelOptimState(self.policy.model, self.policy.optimizer), rank_state, shared)
+
+    def resume(self) -> None:
+        """Restore everything a checkpoint holds, then give the engine the restored weights."""
+        t = self.cfg.trainer
+        found = resolve_resume(t.resume, t.output_dir)
+        path = broadcast_object(str(found) if found else None)  # rank 0's view of the filesystem decides
+        if path is None:
+            return
+        rank_state, shared = self.checkpointer.load(Path(path), ModelOptimState(self.policy.model, self.policy.optimizer))
+        self.policy.scheduler.load_state_dict(shared["scheduler"])
+        self.sampler.load_state_dict(rank_state["sampler"])
+        set_rng_state(rank_state["rng"])
+        self.step, self.history = shared["step"], shared["history"]
+        rewrite_metrics(t.output_dir, self.history, self.dist.is_main)
+        self.sync_weights()
+        log_main(self.dist.is_main, f"resumed from step {self.step} ({path})")
+
+    def export(self, out_dir: str) -> None:
+        """Collective: gathers full weights; rank 0 writes a plain HF folder."""
+        from distflow.export import save_hf_folder
+
+        full = get_model_state_dict(self.policy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.dist.is_main:
+            save_hf_folder(self.model_path, full, out_dir)
+        barrier()
 
     # ----------------------------------------------------------------- phases
     def generate(self) -> Rollouts:
@@ -211,6 +260,32 @@ class Trainer:
         self.logger.close()
         self.engine.shutdown()
         shutdown()
+
+
+def inject_fault(spec: str, rank: int, step: int) -> None:
+    """Test-only: trainer.fault_inject="RANK:STEP[:kill|raise]" fails that rank mid-step,
+    on the first attempt only (torchrun restarts set TORCHELASTIC_RESTART_COUNT)."""
+    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return
+    f_rank, f_step, *mode = spec.split(":")
+    if int(f_rank) == rank and int(f_step) == step:
+        if (mode or ["kill"])[0] == "raise":
+            raise RuntimeError(f"injected fault on rank {rank} at step {step}")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def rewrite_metrics(output_dir: str, history: list[dict], is_main: bool) -> None:
+    """On resume, metrics.jsonl becomes exactly the checkpoint's history: steps a killed run
+    logged after its last checkpoint are dropped, so each step appears once."""
+    if not is_main:
+        return
+    with open(os.path.join(output_dir, "metrics.jsonl"), "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(m) + "\n" for m in history)
+
+
+def log_main(is_main: bool, message: str) -> None:
+    if is_main:
+        print(f"distflow: {message}", flush=True)
 
 
 class _timed:
