@@ -4,3 +4,51 @@
 def digit_fraction(prompt, completion, completion_ids, item):
     """Varies across samples even for a random model, so every step has a non-zero gradient."""
     return sum(c.isdigit() for c in completion) / max(len(completion), 1)
+
+
+# --- RewardPool tests: one function whose misbehaviour is chosen per call by item["mode"] ---
+def misbehave(prompt, completion, completion_ids, item):
+    """Returns float(len(completion)) when item["mode"] is "ok"; otherwise misbehaves as named."""
+    import math
+    import os
+    import signal
+    import time
+
+    mode = item.get("mode", "ok")
+    if mode == "raise":
+        raise ValueError("deliberate failure in misbehave")
+    if mode == "hang":
+        while True:
+            time.sleep(60)
+    if mode == "exit":
+        os._exit(1)
+    if mode == "segv":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    return {"nan": math.nan, "inf": math.inf, "none": None, "str": "1.0", "list": [1.0],
+            "true": True}.get(mode, float(len(completion)))
+
+
+def slow_ok(prompt, completion, completion_ids, item):
+    """Sleeps item["sleep"] seconds, then returns 1.0."""
+    import time
+
+    time.sleep(item.get("sleep", 0.0))
+    return 1.0
+
+
+def pid(prompt, completion, completion_ids, item):
+    """The worker's process id, to see calls spread over workers and workers replaced."""
+    import os
+
+    return float(os.getpid())
+
+
+class _Unpicklable:
+    def __call__(self, prompt, completion, completion_ids, item):
+        return 2.0
+
+    def __reduce__(self):
+        raise TypeError("not picklable")
+
+
+unpicklable = _Unpicklable()  # must work: workers resolve the spec by name, nothing is pickled

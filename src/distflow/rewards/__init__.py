@@ -1,5 +1,7 @@
-"""Reward functions: (completion text, reference answer) -> float."""
+"""Reward functions (see registry for the signature and specs) and the RewardPool that runs them."""
 
 from distflow.rewards.numeric import extract_answer, numeric_match
+from distflow.rewards.pool import RewardPool
+from distflow.rewards.registry import BUILTIN, load_reward
 
-__all__ = ["extract_answer", "numeric_match"]
+__all__ = ["BUILTIN", "RewardPool", "extract_answer", "load_reward", "numeric_match"]

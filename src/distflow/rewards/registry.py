@@ -6,7 +6,12 @@ Every reward has one signature, so built-ins and user functions are interchangea
 
 `item` is the dataset row (the reference answer is `item[task.answer_key]`, also given as
 `item["answer"]` when the row has no such column). A spec is a built-in name or a dotted path
-`package.module:function`.
+`package.module:function`. Built-ins: numeric, math, gsm8k, countdown, format, length_penalty
+(see distflow.rewards.builtin). Rewards are run by distflow.rewards.pool.RewardPool, in worker
+processes that resolve the spec themselves, so a user function need not be picklable.
+
+A reward may carry a `prepare` attribute (a no-argument callable): pool workers call it once at
+start-up, before taking calls, to pay one-off costs (heavy imports) outside the per-call timeout.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import importlib
 from typing import Callable
 
 from distflow.config import ConfigError
+from distflow.rewards.builtin import countdown_reward, format_reward, gsm8k_reward, length_penalty_reward, math_reward
 from distflow.rewards.numeric import numeric_match
 
 RewardFn = Callable[[str, str, list, dict], float]
@@ -24,7 +30,14 @@ def numeric_reward(prompt: str, completion: str, completion_ids: list, item: dic
     return numeric_match(completion, str(item["answer"]))
 
 
-BUILTIN: dict[str, RewardFn] = {"numeric": numeric_reward}
+BUILTIN: dict[str, RewardFn] = {
+    "numeric": numeric_reward,
+    "math": math_reward,
+    "gsm8k": gsm8k_reward,
+    "countdown": countdown_reward,
+    "format": format_reward,
+    "length_penalty": length_penalty_reward,
+}
 
 
 def load_reward(spec: str) -> RewardFn:
@@ -35,7 +48,7 @@ def load_reward(spec: str) -> RewardFn:
         raise ConfigError(f"task.reward {spec!r} is neither a built-in ({', '.join(BUILTIN)}) nor 'module:function'")
     try:
         fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
+    except Exception as e:  # ImportError, AttributeError, or anything the module raises on import
         raise ConfigError(f"task.reward {spec!r} cannot be imported: {e}") from e
     if not callable(fn):
         raise ConfigError(f"task.reward {spec!r} is not callable")

@@ -1,0 +1,239 @@
+"""Run reward functions in worker processes with a hard per-call time limit.
+
+    pool = RewardPool.from_task(cfg.task)            # or RewardPool(spec, workers, timeout_s)
+    rewards, stats = pool.score([(prompt, completion, completion_ids, item), ...])
+    pool.close()                                     # or `with RewardPool(...) as pool:`
+
+A spec is one reward spec ("numeric", "pkg.mod:fn") or a weighted combination {spec: weight};
+the reward of a call is then sum(weight * component). Each (call, component) is one unit of
+work: a unit that raises, returns anything but a finite real number, runs past `timeout_s`, or
+kills its worker scores 0.0 and is counted in stats (errors / invalid / timeouts; a dead worker
+counts as an error). The first failure of each kind per component is logged with its
+traceback on logging.getLogger("distflow"); later ones are only counted.
+
+Workers are fresh interpreters (subprocess; the spawn model without multiprocessing) given this
+process's sys.path: nothing is forked from the threaded trainer (CUDA/NCCL/vLLM threads make
+fork unsafe), and unlike multiprocessing's spawn the caller's __main__ is not re-imported. They
+talk over socketpairs with multiprocessing Connections and resolve the specs themselves, so
+user functions need not be picklable (the parent resolves them first, so a bad spec is a
+ConfigError before any process starts). Each reward's optional `prepare()` runs at worker
+start-up, outside any deadline. Workers take batches of units and answer unit by unit, so each
+unit's deadline starts when the previous one finished. A worker past its deadline, or dead, is
+killed and replaced; the rest of its batch is re-queued and the other workers keep going. A
+worker leaves by itself within ~1 s if this process dies.
+
+`workers=0` runs rewards inline in this process, for debugging: failures are still caught and
+counted, but there is no time limit and no protection against crashes or hangs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import numbers
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from multiprocessing.connection import Connection, wait
+
+from distflow.config import ConfigError
+from distflow.rewards.registry import load_reward
+
+log = logging.getLogger("distflow")
+START_TIMEOUT_S = 120.0  # a worker that cannot import its rewards in this time is an environment problem
+_STAT_KEY = {"error": "errors", "crash": "errors", "invalid": "invalid", "timeout": "timeouts"}
+_WHAT = {"error": "raised", "crash": "killed its worker process", "invalid": "returned a non-number",
+         "timeout": "timed out"}
+
+
+def _call(fn, args) -> tuple[str, object]:
+    """("ok", value) | ("error", traceback) | ("invalid", repr of what came back)."""
+    try:
+        value = fn(*args)
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # noqa: B036 - a reward calling sys.exit() is a reward error too
+        return "error", traceback.format_exc()
+    if isinstance(value, numbers.Real) and math.isfinite(value):
+        return "ok", float(value)
+    return "invalid", repr(value)[:200]
+
+
+def _worker_main(fd: int, specs: list[str]) -> None:
+    """A worker's life: resolve the specs, say "ready", then answer batches unit by unit."""
+    ppid = os.getppid()
+
+    def orphan_watch() -> None:  # a trainer killed with SIGKILL cannot close us: leave with it
+        while os.getppid() == ppid:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=orphan_watch, daemon=True).start()
+    conn = Connection(fd)
+    fns = [load_reward(s) for s in specs]
+    for fn in fns:
+        if callable(getattr(fn, "prepare", None)):
+            fn.prepare()
+    conn.send("ready")
+    while True:
+        try:
+            batch = conn.recv()
+        except EOFError:  # the parent closed us
+            return
+        if batch is None:
+            return
+        for uid, comp, args in batch:
+            conn.send((uid, *_call(fns[comp], args)))
+
+
+# The worker's command line: fd, specs as JSON, then this process's sys.path entries.
+_BOOT = ("import sys; sys.path[:] = sys.argv[3:]; import json; from distflow.rewards.pool import _worker_main; "
+         "_worker_main(int(sys.argv[1]), json.loads(sys.argv[2]))")
+
+
+class _Worker:
+    def __init__(self, specs: list[str]):
+        mine, theirs = socket.socketpair()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _BOOT, str(theirs.fileno()), json.dumps(specs), *sys.path],
+            pass_fds=[theirs.fileno()], start_new_session=True)  # start_new_session: Ctrl-C is the trainer's
+        theirs.close()
+        self.conn = Connection(mine.detach())
+        self.started, self.ready, self.deadline = time.monotonic(), False, math.inf
+        self.inflight: deque[int] = deque()  # uids sent and not yet answered, in order
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.conn.close()
+
+
+class RewardPool:
+    def __init__(self, spec: str | dict[str, float], workers: int, timeout_s: float):
+        items = spec.items() if isinstance(spec, dict) else [(spec, 1.0)]
+        self.components = [(s, float(w)) for s, w in items]
+        if not self.components:
+            raise ConfigError("task.rewards is an empty combination")
+        for s, w in self.components:
+            if not isinstance(s, str) or not math.isfinite(w):
+                raise ConfigError(f"reward {s!r} with weight {w!r}: need a spec string and a finite weight")
+        # Resolve every spec here first: a typo fails at start-up as a ConfigError, not in a worker.
+        self._fns = [load_reward(s) for s, _ in self.components]
+        if workers < 0 or timeout_s <= 0:
+            raise ConfigError(f"need task.reward_workers >= 0 and task.reward_timeout_s > 0, got {workers}, {timeout_s}")
+        self.timeout_s = float(timeout_s)
+        self._specs = [s for s, _ in self.components]
+        self._logged: set[tuple[str, str]] = set()
+        self._workers = [_Worker(self._specs) for _ in range(workers)]  # start-up overlaps the caller's
+
+    @classmethod
+    def from_task(cls, task) -> "RewardPool":
+        """From a TaskConfig: `rewards` (if non-empty) else `reward`, `reward_workers`, `reward_timeout_s`."""
+        return cls(dict(task.rewards) or task.reward, task.reward_workers, task.reward_timeout_s)
+
+    def wait_ready(self) -> "RewardPool":
+        """Block until every worker has started. Optional: score() uses whichever are ready."""
+        while not all(w.ready for w in self._workers):
+            wait([w.conn for w in self._workers], timeout=1.0)
+            self._workers = [self._check(w, [], deque(), {"restarts": 0}) for w in self._workers]
+        return self
+
+    def score(self, calls: list[tuple]) -> tuple[list[float], dict[str, int]]:
+        """calls: (prompt, completion, completion_ids, item) tuples. Returns one reward per call
+        and {"errors", "timeouts", "invalid", "restarts"} counts for this batch."""
+        units = [(i, c) for i in range(len(calls)) for c in range(len(self.components))]
+        stats = {"errors": 0, "timeouts": 0, "invalid": 0, "restarts": 0}
+        if self._workers:
+            results = self._run_in_workers(units, calls, stats)
+        else:
+            results = [_call(self._fns[c], calls[i]) for i, c in units]
+        rewards = [0.0] * len(calls)
+        for (i, c), (kind, value) in zip(units, results):
+            spec, weight = self.components[c]
+            if kind == "ok":
+                rewards[i] += weight * value
+                continue
+            stats[_STAT_KEY[kind]] += 1
+            if (kind, spec) not in self._logged:
+                self._logged.add((kind, spec))
+                log.warning("reward %r %s on completion %r; scored 0.0 (logged once, later ones only counted):\n%s",
+                            spec, _WHAT[kind], str(calls[i][1])[:200], value)
+        return rewards, stats
+
+    def _run_in_workers(self, units, calls, stats) -> list:
+        results: list = [None] * len(units)
+        todo = deque(range(len(units)))
+        while todo or any(w.inflight for w in self._workers):
+            now = time.monotonic()
+            for w in self._workers:  # one batch per idle worker; small batches keep the load even
+                if w.ready and not w.inflight and todo:
+                    size = max(1, min(64, len(todo) // (4 * len(self._workers))))
+                    batch = [todo.popleft() for _ in range(min(size, len(todo)))]
+                    try:
+                        w.conn.send([(u, units[u][1], calls[units[u][0]]) for u in batch])
+                        w.inflight.extend(batch)
+                        w.deadline = now + self.timeout_s
+                    except OSError:  # died while idle: nothing was lost, the check below replaces it
+                        todo.extendleft(reversed(batch))
+            deadlines = [w.deadline for w in self._workers if w.inflight]
+            wait([w.conn for w in self._workers],  # a dead worker's end reads as EOF, so this wakes too
+                 timeout=max(0.0, min(deadlines) - now) if deadlines else 1.0)
+            for k, w in enumerate(self._workers):
+                self._workers[k] = self._check(w, results, todo, stats)
+        return results
+
+    def _check(self, w: _Worker, results: list, todo: deque, stats: dict) -> _Worker:
+        """Collect w's answers; kill and replace it if it died or is past its deadline."""
+        try:
+            while w.conn.poll():
+                msg = w.conn.recv()
+                if msg == "ready":
+                    w.ready = True
+                    continue
+                uid, kind, value = msg
+                w.inflight.popleft()
+                results[uid] = (kind, value)
+                w.deadline = time.monotonic() + self.timeout_s
+        except (EOFError, OSError):
+            pass  # it died; handled below
+        alive, now = w.proc.poll() is None, time.monotonic()
+        if alive and not w.ready and now - w.started > START_TIMEOUT_S:
+            raise RuntimeError(f"a reward worker did not start within {START_TIMEOUT_S:.0f}s")
+        if alive and not (w.inflight and now > w.deadline):
+            return w
+        if not w.ready and not alive:
+            raise RuntimeError(f"a reward worker died at start-up (exit code {w.proc.returncode}); see its stderr")
+        w.kill()
+        if w.inflight:  # the unit it was on is to blame; the rest of its batch is re-queued
+            uid = w.inflight.popleft()
+            results[uid] = ("timeout", f"no result within {self.timeout_s}s; worker killed") if alive else \
+                ("crash", f"the worker process died (exit code {w.proc.returncode}) during this call")
+            todo.extendleft(reversed(w.inflight))
+        stats["restarts"] += 1
+        return _Worker(self._specs)
+
+    def close(self) -> None:
+        for w in self._workers:
+            try:
+                w.conn.send(None)
+            except OSError:
+                pass
+        for w in self._workers:
+            try:
+                w.proc.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                pass  # busy in a reward: killed below
+            w.kill()
+        self._workers = []
+
+    def __enter__(self) -> "RewardPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
