@@ -1,0 +1,226 @@
+"""SLURM templates: syntax, #SBATCH header, and the real scripts run with stub srun/scontrol.
+
+The stubs stand in for SLURM: `scontrol show hostnames` prints the fake node list, and `srun`
+either records its arguments (fast checks of what the template builds from the SLURM_*
+variables) or runs its command once per fake node, concurrently, with SLURM_NODEID/PROCID set
+and output to the template's per-node --output file (%N expanded), killing the rest when one
+fails, like --kill-on-bad-exit=1. So the test drives the template itself, not a copy of it.
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dist_helpers import free_port
+from launch_helpers import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+TEMPLATES = {"single": ROOT / "launch" / "slurm" / "single_node.sbatch",
+             "multi": ROOT / "launch" / "slurm" / "multi_node.sbatch"}
+
+SRUN_STUB = r'''#!{python}
+import json, os, subprocess, sys, time
+args, opts = sys.argv[1:], {{}}
+while args and args[0].startswith("-"):
+    key, _, value = args.pop(0).partition("=")
+    opts[key] = value
+if os.environ.get("FAKE_SRUN_RECORD"):
+    with open(os.environ["FAKE_SRUN_RECORD"], "w") as f:
+        json.dump({{"opts": opts, "command": args, "env": dict(os.environ)}}, f)
+    sys.exit(0)
+nodes = int(opts.get("--nodes", os.environ["SLURM_NNODES"]))
+procs = []
+for i in range(nodes):
+    name = "fakenode%d" % i
+    out = opts["--output"]
+    for pat, val in (("%N", name), ("%j", os.environ["SLURM_JOB_ID"]), ("%n", str(i)), ("%t", str(i))):
+        out = out.replace(pat, val)
+    env = dict(os.environ, SLURM_NODEID=str(i), SLURM_PROCID=str(i), SLURM_LOCALID="0", SLURMD_NODENAME=name)
+    procs.append(subprocess.Popen(args, env=env, stdout=open(out, "w"), stderr=subprocess.STDOUT))
+while any(p.poll() is None for p in procs):
+    if opts.get("--kill-on-bad-exit") == "1" and any(p.poll() not in (None, 0) for p in procs):
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+    time.sleep(0.2)
+sys.exit(next((abs(p.returncode) for p in procs if p.returncode), 0))
+'''
+
+SCONTROL_STUB = r'''#!/usr/bin/env bash
+# scontrol show hostnames <list>: one name per line
+[[ "$1 $2" == "show hostnames" ]] || exit 1
+printf '%s\n' ${FAKE_HOSTNAMES}
+'''
+
+
+def _stub_bin(tmp_path) -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(SRUN_STUB.format(python=sys.executable))
+    (bin_dir / "scontrol").write_text(SCONTROL_STUB)
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    return bin_dir
+
+
+def _slurm_env(tmp_path, **extra) -> dict:
+    knobs = ("PYTHON", "NPROC_PER_NODE", "OMP_NUM_THREADS", "MAX_RESTARTS")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "SRUN_", "MASTER_", "DISTFLOW_")) and k not in knobs}
+    env.update(PATH=f"{_stub_bin(tmp_path)}{os.pathsep}{env['PATH']}", SLURM_SUBMIT_DIR=str(ROOT),
+               DISTFLOW_OUTPUT_ROOT=str(tmp_path / "outputs"))
+    env.update(extra)
+    return env
+
+
+def _run_template(which: str, args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    # its own session, so a timeout can stop the stub srun and every torchrun under it
+    proc = subprocess.Popen(["bash", str(TEMPLATES[which]), *args], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"template run timed out after {timeout}s:\n{out[-3000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _record(tmp_path, which, args, **env_extra) -> dict:
+    record = tmp_path / "srun.json"
+    env = _slurm_env(tmp_path, FAKE_SRUN_RECORD=str(record), **env_extra)
+    proc = _run_template(which, args, env, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(record.read_text())
+
+
+def _sbatch_lines(path: Path) -> list[str]:
+    return [line.rstrip("\n") for line in path.read_text().splitlines() if line.startswith("#SBATCH")]
+
+
+def _code_lines(path: Path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+# ----------------------------------------------------------------------------- static checks
+@pytest.mark.parametrize("which", TEMPLATES)
+def test_template_is_valid_bash(which):
+    proc = subprocess.run(["bash", "-n", str(TEMPLATES[which])], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
+@pytest.mark.parametrize("which", TEMPLATES)
+def test_template_passes_shellcheck(which):
+    proc = subprocess.run(["shellcheck", "-s", "bash", str(TEMPLATES[which])], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
+
+
+@pytest.mark.parametrize("which", TEMPLATES)
+def test_sbatch_header(which):
+    path = TEMPLATES[which]
+    lines = path.read_text().splitlines()
+    assert lines[0].startswith("#!") and "bash" in lines[0]
+    directives = _sbatch_lines(path)
+    opts = {}
+    for line in directives:
+        m = re.fullmatch(r"#SBATCH --([a-z][a-z0-9-]*)(?:=(\S+))?", line)
+        assert m, f"malformed directive: {line!r}"
+        opts[m.group(1)] = m.group(2)
+    assert {"nodes", "ntasks-per-node", "output", "job-name"} <= set(opts), opts
+    assert opts["ntasks-per-node"] == "1"
+    assert int(opts["nodes"]) == (1 if which == "single" else 2)
+    # sbatch stops reading directives at the first command: all of them must come before it
+    first_code = next(i for i, line in enumerate(lines) if line.strip() and not line.startswith("#"))
+    assert all(lines.index(d) < first_code for d in directives)
+    # the header shows how to submit, with overrides passed through
+    assert re.search(rf"^#\s+sbatch .*launch/slurm/{path.name} experiment=\S+ \S+=", path.read_text(), re.M)
+
+
+@pytest.mark.parametrize("which", TEMPLATES)
+def test_no_hard_coded_counts_or_ids(which):
+    code = "\n".join(_code_lines(TEMPLATES[which]))
+    for flag in ("nnodes", "nproc_per_node", "nproc-per-node", "node_rank", "node-rank", "rdzv_id", "rdzv-id",
+                 "nodes", "ntasks", "master_port", "master_addr"):
+        assert not re.search(rf"--{flag}=['\"]?\d", code), flag
+    assert not re.search(r"rdzv_endpoint=['\"]?[\w.-]*\d+:\d", code)  # no literal host:port
+    for needed in ("SLURM_NNODES", "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE", "SLURM_JOB_ID",
+                   'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1', "--rdzv_backend=c10d",
+                   "--kill-on-bad-exit=1", "%N", "trainer.output_dir=", "srun", "torch.distributed.run"):
+        assert needed in code, needed
+    assert not re.search(r"\bray\b", code, re.I)
+
+
+# ----------------------------------------------------------------------------- what it builds
+def _torchrun_flags(command: list[str]) -> dict:
+    return dict(a[2:].split("=", 1) for a in command if a.startswith("--") and "=" in a)
+
+
+def test_multi_node_template_builds_torchrun_from_the_allocation(tmp_path):
+    rec = _record(tmp_path, "multi", ["experiment=smoke", "trainer.steps=7", "rollout=hf"],
+                  SLURM_JOB_ID="987654", SLURM_NNODES="3", SLURM_JOB_NODELIST="gpu[07-09]",
+                  SLURM_GPUS_PER_NODE="h100:4", SLURM_CPUS_PER_TASK="32", FAKE_HOSTNAMES="gpu07 gpu08 gpu09")
+    run_dir = tmp_path / "outputs" / "smoke-987654"
+    opts, cmd = rec["opts"], rec["command"]
+    assert opts["--nodes"] == "3" and opts["--ntasks"] == "3" and opts["--ntasks-per-node"] == "1"
+    assert opts["--kill-on-bad-exit"] == "1"
+    assert opts["--output"] == f"{run_dir}/logs/%j-%N.log" and (run_dir / "logs").is_dir()
+    assert cmd[:3] == [str(ROOT / ".venv" / "bin" / "python"), "-m", "torch.distributed.run"]
+    flags = _torchrun_flags(cmd)
+    assert flags["nnodes"] == "3" and flags["nproc_per_node"] == "4"
+    assert flags["rdzv_backend"] == "c10d" and flags["rdzv_id"] == "987654"
+    assert flags["rdzv_endpoint"] == f"gpu07:{20000 + 987654 % 20000}"
+    script = cmd.index(str(ROOT / "recipes" / "grpo.py"))
+    assert cmd[script + 1:] == [f"trainer.output_dir={run_dir}", "experiment=smoke", "trainer.steps=7", "rollout=hf"]
+    assert rec["env"]["OMP_NUM_THREADS"] == "8" and rec["env"]["SRUN_CPUS_PER_TASK"] == "32"
+    assert "torch.distributed.run" in (run_dir / "launch.txt").read_text()
+
+
+def test_single_node_template_and_explicit_output_dir(tmp_path):
+    out = tmp_path / "my run"
+    rec = _record(tmp_path, "single", ["experiment=smoke", f"trainer.output_dir={out}", "trainer.steps=2"],
+                  SLURM_JOB_ID="42", SLURM_NNODES="1", SLURM_JOB_NODELIST="gpu01", SLURM_GPUS_ON_NODE="2",
+                  SLURM_GPUS_PER_NODE="8", FAKE_HOSTNAMES="gpu01", PYTHON="/opt/py/bin/python", MASTER_PORT="31234")
+    cmd = rec["command"]
+    flags = _torchrun_flags(cmd)
+    assert cmd[0] == "/opt/py/bin/python"
+    assert flags["nnodes"] == "1" and flags["nproc_per_node"] == "2"  # SLURM_GPUS_ON_NODE wins
+    assert flags["rdzv_endpoint"] == "gpu01:31234" and flags["rdzv_id"] == "42"
+    # the user's output_dir is the run directory, passed exactly once
+    assert [a for a in cmd if a.startswith("trainer.output_dir=")] == [f"trainer.output_dir={out}"]
+    assert cmd[-2:] == ["experiment=smoke", "trainer.steps=2"]
+    assert rec["opts"]["--output"] == f"{out}/logs/%j-%N.log"
+
+
+def test_template_outside_slurm_fails_clearly(tmp_path):
+    env = _slurm_env(tmp_path, FAKE_SRUN_RECORD=str(tmp_path / "srun.json"))
+    proc = _run_template("multi", ["experiment=smoke"], env, timeout=60)
+    assert proc.returncode != 0 and "SLURM_JOB_ID" in proc.stderr
+    assert not (tmp_path / "srun.json").exists()
+
+
+# ----------------------------------------------------------------------------- real run
+@pytest.mark.slow
+def test_multi_node_template_trains_on_two_fake_nodes(tmp_path):
+    """Two torchrun agents (1 rank each) meet in the template's c10d rendezvous and train 3 steps."""
+    job_id = str(100000 + os.getpid() % 100000)
+    out = tmp_path / "run"
+    env = _slurm_env(tmp_path, SLURM_JOB_ID=job_id, SLURM_NNODES="2", SLURM_JOB_NODELIST="fakenode[0-1]",
+                     SLURM_GPUS_ON_NODE="1", FAKE_HOSTNAMES="127.0.0.1 127.0.0.2", MASTER_PORT=str(free_port()),
+                     PYTHON=sys.executable, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    proc = _run_template("multi", ["experiment=smoke", "rollout=hf", f"trainer.output_dir={out}"], env, timeout=600)
+    logs = {p.name: p.read_text() for p in (out / "logs").glob("*.log")} if (out / "logs").is_dir() else {}
+    detail = proc.stdout[-2000:] + proc.stderr[-2000:] + "".join(f"\n--- {k}\n{v[-4000:]}" for k, v in logs.items())
+    assert proc.returncode == 0, detail
+    assert sorted(logs) == [f"{job_id}-fakenode0.log", f"{job_id}-fakenode1.log"], detail
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3], detail
+    assert all(r["timing/step_s"] > 0 for r in rows)
+    assert (out / ".hydra" / "config.yaml").is_file()

@@ -1,0 +1,209 @@
+"""MetricLogger backends (console, jsonl, wandb offline, tensorboard) and distflow.plot."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dist_helpers import run_distributed
+from distflow.config import ConfigError, DistflowConfig
+from distflow.metrics import MetricLogger
+from distflow.plot import read_metrics, write_plots
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _row(step: int, **extra) -> dict:
+    return {
+        "step": step, "reward/mean": 0.25 * step, "response_length/mean": 10.0 + step, "response_length/max": 16.0,
+        "timing/generate_s": 1.0, "timing/reward_s": 0.1, "timing/logprob_s": 0.3, "timing/update_s": 0.8,
+        "timing/sync_s": 0.2, "timing/probe_s": 0.05, "timing/step_s": 2.6, "throughput/tokens_per_s": 100.0 * step,
+        **extra,
+    }
+
+
+def _read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+# ----------------------------------------------------------------------------- logger
+def _log_on_two_ranks(rank, world, out):
+    from distflow.metrics import reduce_step_metrics
+
+    logger = MetricLogger(out, rank == 0, total_steps=2, progress_bar=False, loggers=["console", "jsonl"])
+    for step in (1, 2):
+        m = reduce_step_metrics({"reward_sum": float(rank + step)}, {"len_max": float(10 * rank + step)})
+        logger.log({"step": step, **m})
+    logger.info("done")
+    logger.close()
+
+
+def test_jsonl_is_written_by_rank0_only_with_reduced_values(tmp_path):
+    out = str(tmp_path / "run")
+    run_distributed(_log_on_two_ranks, 2, out, timeout=180)
+    rows = _read_jsonl(Path(out) / "metrics.jsonl")
+    # one row per step (not one per rank), carrying the cross-rank sum and max
+    assert rows == [{"step": 1, "reward_sum": 3.0, "len_max": 11.0}, {"step": 2, "reward_sum": 5.0, "len_max": 12.0}]
+    assert sorted(os.listdir(out)) == ["metrics.jsonl"]
+
+
+def test_jsonl_appends_on_resume_and_console_prints_on_main_only(tmp_path, capsys):
+    out = tmp_path / "run"
+    MetricLogger(str(out), False, 3, progress_bar=False).log(_row(1))  # rank 1: nothing at all
+    assert not out.exists()
+    for steps in ([1, 2], [3]):  # a run, then its resumption into the same folder
+        logger = MetricLogger(str(out), True, 3, progress_bar=False)
+        for s in steps:
+            logger.log(_row(s))
+        logger.info(f"message after {steps}")
+        logger.close()
+        logger.close()  # idempotent
+    assert [r["step"] for r in _read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
+    text = capsys.readouterr().out
+    assert "step 2/3 | reward 0.500 | step 2.6s | eta" in text and "step 3/3" in text
+    assert "message after [3]" in text
+
+
+def test_console_progress_bar_shows_step_reward_and_resumes_mid_run(tmp_path, capsys):
+    logger = MetricLogger(str(tmp_path), True, 10, progress_bar=True, loggers=["console"])
+    logger.log(_row(4))  # a resumed run: the bar starts at step 4 of 10
+    logger.info("hello from info")
+    logger.close()
+    err, out = capsys.readouterr()
+    text = err + out
+    assert "4/10" in text and "reward=1.000" in text and "hello from info" in text
+    assert not (tmp_path / "metrics.jsonl").exists()  # jsonl not chosen
+
+
+@pytest.mark.parametrize("is_main", [True, False])
+@pytest.mark.parametrize("loggers", [["console", "nope"], ["jsonl", "WandB", "mlflow"]])
+def test_unknown_logger_is_a_config_error_on_every_rank(tmp_path, is_main, loggers):
+    with pytest.raises(ConfigError, match="unknown logger"):
+        MetricLogger(str(tmp_path / "run"), is_main, 3, loggers=loggers)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture
+def wandb_offline(tmp_path, monkeypatch):
+    for var, sub in (("WANDB_DIR", "wandb_env"), ("WANDB_CACHE_DIR", "wandb_cache"),
+                     ("WANDB_CONFIG_DIR", "wandb_config"), ("WANDB_DATA_DIR", "wandb_data")):
+        monkeypatch.setenv(var, str(tmp_path / sub))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+
+
+def _wait_for_bytes(path: Path, needles, timeout: float = 60.0) -> bytes:
+    """wandb's service writes the offline .wandb file shortly after run.finish() returns."""
+    deadline = time.monotonic() + timeout
+    while True:
+        data = path.read_bytes() if path.exists() else b""
+        if all(n in data for n in needles) or time.monotonic() > deadline:
+            return data
+        time.sleep(0.2)
+
+
+def test_all_loggers_at_once_wandb_offline_and_tensorboard(tmp_path, wandb_offline):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    cfg = DistflowConfig()
+    cfg.trainer.wandb_project = "distflow-test"
+    loggers = ["console", "jsonl", "wandb", "tensorboard"]
+    logger = MetricLogger(str(out), True, 3, progress_bar=False, loggers=loggers, run_config=cfg,
+                          project=cfg.trainer.wandb_project)
+    for s in (1, 2, 3):
+        logger.log(_row(s))
+    logger.close()
+
+    assert len(_read_jsonl(out / "metrics.jsonl")) == 3
+    # wandb: an offline run folder inside output_dir, its id kept for resumption, keys and config inside
+    run_id = (out / "wandb_run_id").read_text().strip()
+    runs = glob.glob(str(out / "wandb" / f"offline-run-*-{run_id}"))
+    assert len(runs) == 1, os.listdir(out / "wandb")
+    needles = (b"reward/mean", b"timing/step_s", b"throughput/tokens_per_s", b"sync_bucket_mib", b"distflow-test")
+    data = _wait_for_bytes(Path(runs[0], f"run-{run_id}.wandb"), needles)
+    for needle in needles:
+        assert needle in data, needle
+    # tensorboard: one event file under output_dir/tb with every scalar at every step
+    events = glob.glob(str(out / "tb" / "events.out.tfevents.*"))
+    assert len(events) == 1
+    acc = EventAccumulator(str(out / "tb"))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert {"reward/mean", "response_length/max", "timing/generate_s", "throughput/tokens_per_s"} <= set(tags)
+    assert "step" not in tags
+    rew = acc.Scalars("reward/mean")
+    assert [e.step for e in rew] == [1, 2, 3]
+    assert [e.value for e in rew] == pytest.approx([0.25, 0.5, 0.75])
+
+    # a resumed run continues the same W&B run id
+    logger = MetricLogger(str(out), True, 4, progress_bar=False, loggers=["wandb"])
+    logger.log(_row(4))
+    logger.close()
+    assert (out / "wandb_run_id").read_text().strip() == run_id
+    assert len(glob.glob(str(out / "wandb" / f"offline-run-*-{run_id}"))) >= 1
+    assert not glob.glob(str(tmp_path / "wandb_env" / "**" / "*.wandb"), recursive=True)
+
+
+def test_non_main_rank_with_every_logger_touches_nothing(tmp_path, wandb_offline):
+    logger = MetricLogger(str(tmp_path / "run"), False, 3, loggers=["console", "jsonl", "wandb", "tensorboard"])
+    logger.log(_row(1))
+    logger.info("x")
+    logger.close()
+    assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------- plot
+def _assert_png(path):
+    data = Path(path).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_plot_full_run_with_validation_and_summary(tmp_path):
+    rows = [_row(s, **({"val/pass@1": s / 20} if s % 5 == 0 else {})) for s in range(1, 21)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / "summary.json").write_text(json.dumps({"heldout_pass1_before": 0.1, "heldout_pass1_after": 0.6}))
+    paths = write_plots(str(tmp_path))
+    assert paths == [str(tmp_path / "training.png")]
+    _assert_png(paths[0])
+
+
+def test_plot_single_step_with_missing_keys(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5, "timing/step_s": 1.0}) + "\n")
+    _assert_png(write_plots(str(tmp_path))[0])
+
+
+def test_plot_reader_merges_relogged_steps_and_skips_a_cut_line(tmp_path):
+    lines = [_row(1), _row(2), _row(2, **{"reward/mean": 9.0}), {"step": 2, "val/pass@1": 0.5}, _row(3)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + '\n{"step": 4, "rew')
+    rows = read_metrics(str(tmp_path / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[1]["reward/mean"] == 9.0 and rows[1]["val/pass@1"] == 0.5
+    _assert_png(write_plots(str(tmp_path))[0])
+
+
+def test_plot_without_metrics_writes_nothing(tmp_path):
+    assert write_plots(str(tmp_path)) == []
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert write_plots(str(tmp_path)) == []
+    assert not (tmp_path / "training.png").exists()
+
+
+def test_plot_cli(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(_row(s)) for s in (1, 2, 3)) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "distflow.plot", str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, MPLBACKEND="TkAgg"))  # the Agg canvas is used regardless
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(tmp_path / "training.png")
+    _assert_png(tmp_path / "training.png")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "distflow.plot", str(empty)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1 and "no metrics" in proc.stderr
