@@ -1,15 +1,66 @@
-"""Advantage estimators, policy losses and loss aggregation: small pure functions of tensors.
+"""Advantage estimators, policy losses, KL estimators and loss aggregation: small pure functions of tensors.
 
-An algorithm is a config choosing among these; the trainer never branches on its name.
+An algorithm is a config choosing among these by name (registry.py); the trainer never branches
+on its name.
 """
 
-from distflow.algorithms.advantages import group_normalized_advantages
-from distflow.algorithms.losses import LOSS_AGG_MODES, aggregate_numerator, aggregate_denominator, clipped_surrogate
+from distflow.algorithms.advantages import (
+    GlobalSum,
+    dynamic_sampling_keep,
+    gae,
+    group_normalized_advantages,
+    grpo_advantages,
+    local_sum,
+    overlong_penalty,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+    rloo_advantages,
+    whiten_global,
+)
+from distflow.algorithms.kl import KL_ESTIMATORS, entropy_from_logits, kl_penalty, sequence_kl
+from distflow.algorithms.losses import (
+    LOSS_AGG_MODES,
+    aggregate_denominator,
+    aggregate_numerator,
+    cispo_loss,
+    clipped_surrogate,
+    gspo_loss,
+    ppo_clip_loss,
+    tis_weights,
+)
+from distflow.algorithms.registry import (
+    ADVANTAGE_ESTIMATORS,
+    POLICY_LOSSES,
+    compute_token_loss,
+    validate_algorithm,
+)
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "GlobalSum",
+    "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
     "aggregate_denominator",
     "aggregate_numerator",
+    "cispo_loss",
     "clipped_surrogate",
+    "compute_token_loss",
+    "dynamic_sampling_keep",
+    "entropy_from_logits",
+    "gae",
     "group_normalized_advantages",
+    "grpo_advantages",
+    "gspo_loss",
+    "kl_penalty",
+    "local_sum",
+    "overlong_penalty",
+    "ppo_clip_loss",
+    "reinforce_pp_advantages",
+    "reinforce_pp_baseline_advantages",
+    "rloo_advantages",
+    "sequence_kl",
+    "tis_weights",
+    "validate_algorithm",
+    "whiten_global",
 ]

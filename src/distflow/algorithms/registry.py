@@ -1,0 +1,115 @@
+"""Name -> function tables for the algorithm knobs, a config check, and the composed token loss.
+
+The trainer looks functions up here by the config's names and never branches on them.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from distflow.algorithms.advantages import (
+    grpo_advantages,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+    rloo_advantages,
+)
+from distflow.algorithms.kl import KL_ESTIMATORS, kl_penalty
+from distflow.algorithms.losses import LOSS_AGG_MODES, cispo_loss, gspo_loss, ppo_clip_loss, tis_weights
+from distflow.config import AlgorithmConfig, ConfigError
+
+# fn(rewards [num_groups, G], cfg, global_sum) -> advantages [num_groups, G] (one per sequence).
+ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
+    "grpo": grpo_advantages,
+    "rloo": rloo_advantages,
+    "reinforce_pp": reinforce_pp_advantages,
+    "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
+}
+# Estimators that need a critic and token-level values (advantages.gae); not in the table above.
+CRITIC_ESTIMATORS = ("gae",)
+# Estimators whose baseline is the sample's own group: useless (or undefined) with group_size 1.
+GROUP_RELATIVE = ("grpo", "rloo", "reinforce_pp_baseline")
+
+# fn(logp [B,T], old_logp [B,T], advantages [B] | [B,T], mask [B,T], cfg) -> (token_loss [B,T], info)
+POLICY_LOSSES: dict[str, Callable] = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss}
+
+__all__ = ["ADVANTAGE_ESTIMATORS", "KL_ESTIMATORS", "POLICY_LOSSES", "compute_token_loss", "validate_algorithm"]
+
+
+def _choice(value: str, key: str, options) -> Optional[str]:
+    return None if value in options else f"unknown algorithm.{key} {value!r}; choose from {', '.join(options)}"
+
+
+def validate_algorithm(cfg: AlgorithmConfig) -> None:
+    """Raise ConfigError (one line) on the first unknown name or out-of-range algorithm knob."""
+    adv_names = (*ADVANTAGE_ESTIMATORS, *CRITIC_ESTIMATORS)
+    checks = [
+        _choice(cfg.advantage, "advantage", adv_names),
+        _choice(cfg.policy_loss, "policy_loss", tuple(POLICY_LOSSES)),
+        _choice(cfg.kl_estimator, "kl_estimator", tuple(KL_ESTIMATORS)),
+        _choice(cfg.loss_agg_mode, "loss_agg_mode", LOSS_AGG_MODES),
+        None if cfg.advantage not in CRITIC_ESTIMATORS else
+        f"algorithm.advantage={cfg.advantage} (PPO) needs a critic, which this build does not provide yet",
+        None if cfg.group_size >= 1 else f"algorithm.group_size must be >= 1, got {cfg.group_size}",
+        None if cfg.group_size >= 2 or cfg.advantage not in GROUP_RELATIVE else
+        f"algorithm.advantage={cfg.advantage} is group-relative and needs group_size >= 2, got {cfg.group_size}",
+        None if cfg.group_size >= 2 or not cfg.dynamic_sampling else
+        "algorithm.dynamic_sampling needs group_size >= 2 (a group of one always has equal rewards)",
+        None if 0 <= cfg.clip_eps_low <= cfg.clip_eps_high else
+        f"need 0 <= algorithm.clip_eps_low <= clip_eps_high, got {cfg.clip_eps_low}, {cfg.clip_eps_high}",
+        None if cfg.kl_coef >= 0 else f"algorithm.kl_coef must be >= 0, got {cfg.kl_coef}",
+        None if cfg.dual_clip_c is None or cfg.dual_clip_c > 1 else
+        f"algorithm.dual_clip_c must be > 1 (or null), got {cfg.dual_clip_c}",
+        None if cfg.tis_cap is None or cfg.tis_cap > 0 else
+        f"algorithm.tis_cap must be > 0 (or null), got {cfg.tis_cap}",
+        None if cfg.max_sampling_rounds >= 1 else
+        f"algorithm.max_sampling_rounds must be >= 1, got {cfg.max_sampling_rounds}",
+        None if cfg.overlong_buffer_len >= 0 else
+        f"algorithm.overlong_buffer_len must be >= 0, got {cfg.overlong_buffer_len}",
+        None if cfg.overlong_penalty >= 0 else f"algorithm.overlong_penalty must be >= 0, got {cfg.overlong_penalty}",
+        None if cfg.eps > 0 else f"algorithm.eps must be > 0, got {cfg.eps}",
+        None if cfg.ppo_epochs >= 1 else f"algorithm.ppo_epochs must be >= 1, got {cfg.ppo_epochs}",
+    ]
+    for msg in checks:
+        if msg:
+            raise ConfigError(msg)
+
+
+def compute_token_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: AlgorithmConfig,
+    *,
+    engine_logp: Optional[torch.Tensor] = None,
+    ref_logp: Optional[torch.Tensor] = None,
+    entropy: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The full per-token loss for one micro-batch, [B, T], ready for aggregate_numerator.
+
+    policy_loss * tis_weights(old, engine)   (if tis_cap)
+      + kl_coef * kl_penalty(logp, ref)      (if kl_coef > 0 and not kl_in_reward)
+      - entropy_coef * entropy               (if entropy_coef != 0; entropy [B,T] WITH gradient)
+    Raises ValueError when an input the config asks for is missing. info adds "kl", "entropy",
+    "tis_weight" ([B,T], detached) when those terms are active.
+    """
+    loss, info = POLICY_LOSSES[cfg.policy_loss](logp, old_logp, advantages, mask, cfg)
+    m = mask.bool()
+    if cfg.tis_cap is not None:
+        if engine_logp is None:
+            raise ValueError("algorithm.tis_cap is set but no engine (sampling) logprobs were given")
+        w = tis_weights(old_logp, engine_logp, cfg.tis_cap, mask)
+        loss, info["tis_weight"] = loss * w, w
+    if cfg.kl_coef > 0 and not cfg.kl_in_reward:
+        if ref_logp is None:
+            raise ValueError("algorithm.kl_coef > 0 needs reference-policy logprobs")
+        kl = kl_penalty(torch.where(m, logp, 0.0), torch.where(m, ref_logp, 0.0), cfg.kl_estimator)
+        loss, info["kl"] = loss + cfg.kl_coef * torch.where(m, kl, 0.0), kl.detach() * m
+    if cfg.entropy_coef != 0:
+        if entropy is None:
+            raise ValueError("algorithm.entropy_coef != 0 needs per-token entropy (entropy_from_logits)")
+        ent = torch.where(m, entropy, 0.0)
+        loss, info["entropy"] = loss - cfg.entropy_coef * ent, ent.detach()
+    return loss, info
