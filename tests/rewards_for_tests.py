@@ -52,3 +52,14 @@ class _Unpicklable:
 
 
 unpicklable = _Unpicklable()  # must work: workers resolve the spec by name, nothing is pickled
+
+
+def flat_on_rank1(prompt, completion, completion_ids, item):
+    """All-equal rewards for every group generated on rank 1 (reward workers inherit RANK)."""
+    import os
+
+    return 0.0 if os.environ.get("RANK") == "1" else digit_fraction(prompt, completion, completion_ids, item)
+
+
+def constant(prompt, completion, completion_ids, item):
+    return 1.0

@@ -100,7 +100,8 @@ class TaskConfig:
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     system_prompt: Optional[str] = None
-    split: str = "train"
+    split: str = "train"  # HF split expression for file datasets (e.g. "train[:1000]")
+    heldout_path: str = ""  # file tasks: the held-out split used by validation
     # A built-in reward name or "package.module:function" (see distflow.rewards.registry).
     reward: str = "numeric"
     # Weighted combination {reward spec: weight}; when non-empty it replaces `reward`.
@@ -159,20 +160,21 @@ class DistflowConfig:
         a, r, o = self.algorithm, self.rollout, self.optim
         checks = [
             (r.engine in ("vllm", "hf"), f"rollout.engine must be 'vllm' or 'hf', got {r.engine!r}"),
-            (a.group_size >= 2, f"algorithm.group_size must be >= 2 for group-relative advantages, got {a.group_size}"),
-            (a.clip_eps_low >= 0 and a.clip_eps_high >= a.clip_eps_low,
-             f"need 0 <= algorithm.clip_eps_low <= clip_eps_high, got {a.clip_eps_low}, {a.clip_eps_high}"),
-            (a.ppo_epochs >= 1, "algorithm.ppo_epochs must be >= 1"),
             (r.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1"),
             (r.temperature > 0, "rollout.temperature must be > 0"),
             (o.micro_batch_size >= 1 and o.mini_batches >= 1, "optim.micro_batch_size and optim.mini_batches must be >= 1"),
             (self.data.prompts_per_rank >= 1, "data.prompts_per_rank must be >= 1"),
             (self.trainer.steps >= 0, "trainer.steps must be >= 0"),
             (self.model.dtype in ("float32", "bfloat16", "float16"), f"model.dtype {self.model.dtype!r} unsupported"),
+            (a.overlong_buffer_len < r.max_new_tokens,
+             f"algorithm.overlong_buffer_len={a.overlong_buffer_len} must be < rollout.max_new_tokens={r.max_new_tokens}"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
+        from distflow.algorithms.registry import validate_algorithm
+
+        validate_algorithm(a)
         seqs = self.data.prompts_per_rank * a.group_size
         if seqs % o.mini_batches:
             raise ConfigError(f"{seqs} sequences per rank do not split into optim.mini_batches={o.mini_batches}")

@@ -15,6 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
+from distflow.algorithms.kl import entropy_from_logits
 from distflow.config import ModelConfig, OptimConfig
 from distflow.rollout.base import Sample
 
@@ -29,7 +30,8 @@ class TokenBatch:
     resp_mask: torch.Tensor  # [B, R] 1 on real response tokens
 
     @staticmethod
-    def from_samples(samples: list[Sample], pad_id: int, device: torch.device) -> "TokenBatch":
+    def from_samples(samples: list[Sample], pad_id: int, device: torch.device, drop_truncated: bool = False) -> "TokenBatch":
+        """drop_truncated zeroes the response mask of samples cut at max_new_tokens (DAPO overlong filter)."""
         seqs = [s.prompt_ids + s.response_ids for s in samples]
         width = max(len(s) for s in seqs)
         resp_width = max(1, max(len(s.response_ids) for s in samples))
@@ -39,7 +41,7 @@ class TokenBatch:
         for i, (seq, s) in enumerate(zip(seqs, samples)):
             ids[i, : len(seq)] = torch.tensor(seq)
             attn[i, : len(seq)] = 1
-            rmask[i, : len(s.response_ids)] = 1.0
+            rmask[i, : len(s.response_ids)] = 0.0 if (drop_truncated and s.truncated) else 1.0
         start = torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long)
         return TokenBatch(ids.to(device), attn.to(device), start.to(device), rmask.to(device))
 
@@ -55,7 +57,10 @@ def _decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 class Policy:
-    def __init__(self, model_path: str, model_cfg: ModelConfig, optim: OptimConfig, device: torch.device, world_size: int):
+    """trainable=False builds a frozen copy (the KL reference): sharded the same way, no optimizer."""
+
+    def __init__(self, model_path: str, model_cfg: ModelConfig, optim: OptimConfig, device: torch.device,
+                 world_size: int, trainable: bool = True):
         self.device = device
         # fp32 master weights always; bf16/fp16 only as FSDP's compute dtype.
         model = AutoModelForCausalLM.from_pretrained(
@@ -70,6 +75,10 @@ class Policy:
         fully_shard(model, mesh=mesh, mp_policy=mp)
         self.model = model.to(device)
         self.model.train()
+        if not trainable:
+            self.model.requires_grad_(False)
+            self.optimizer = self.scheduler = None
+            return
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=optim.lr,
@@ -84,6 +93,10 @@ class Policy:
 
     def logprobs(self, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
         """log p(response token | prefix) at `temperature`, shape [B, R] (0 beyond each response)."""
+        return self.forward(batch, temperature)[0]
+
+    def forward(self, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False):
+        """(logprobs [B, R], entropy [B, R] or None) of the response tokens at `temperature`."""
         logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
         width = batch.resp_mask.shape[1]
         # the token at position p is predicted by the logits at p - 1
@@ -92,11 +105,12 @@ class Policy:
         sel = logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1])).float() / temperature
         targets = batch.input_ids.gather(1, pos + 1)
         lp = sel.gather(-1, targets[..., None]).squeeze(-1) - torch.logsumexp(sel, dim=-1)
+        entropy = entropy_from_logits(sel) * batch.resp_mask if with_entropy else None
         if not torch.is_grad_enabled():
             # FSDP2 keeps the root unsharded after forward in anticipation of backward; with no
             # backward coming, reshard so parameters are DTensor shards again (optimizer, sync).
             self.model.reshard()
-        return lp * batch.resp_mask
+        return lp * batch.resp_mask, entropy
 
     def step(self) -> float:
         """Clip gradients, take one optimizer step; returns the pre-clip global grad norm."""

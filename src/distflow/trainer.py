@@ -1,8 +1,10 @@
-"""The GRPO loop, identical on every rank: generate -> score -> advantages -> update -> sync -> log.
+"""The RL loop, identical on every rank: generate -> score -> logprobs -> advantages -> update
+-> sync weights -> log -> checkpoint.
 
 There is no controller. Each rank samples its own prompts, generates all samples of a group
 locally (so group statistics need no communication), and joins the others only through
-FSDP's collectives and a few small all_reduces (global token counts, metrics).
+FSDP's collectives and a few small all_reduces (global counts, batch statistics, metrics).
+Algorithms differ only in the functions the config selects (distflow.algorithms.registry).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 import random
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -22,32 +24,46 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoTokenizer
 
-from distflow.algorithms import group_normalized_advantages
+from distflow.algorithms import ADVANTAGE_ESTIMATORS, dynamic_sampling_keep, overlong_penalty, sequence_kl
 from distflow.checkpoint import Checkpointer, ModelOptimState, resolve_resume, rng_state, set_rng_state
 from distflow.config import DistflowConfig
 from distflow.data.prompts import PromptItem, load_prompts
 from distflow.data.sampler import ShardedSampler
-from distflow.distributed import barrier, broadcast_object, init_distributed, shutdown
+from distflow.distributed import all_reduce, barrier, broadcast_object, init_distributed, shutdown
+from distflow.evaluation import evaluate
 from distflow.metrics import MetricLogger, reduce_step_metrics
 from distflow.models.tiny import resolve_model_path
 from distflow.policy import Policy, TokenBatch
-from distflow.rewards.registry import load_reward
+from distflow.rewards.pool import RewardPool
 from distflow.rollout import Sample, build_engine
 from distflow.rollout.weight_sync import full_parameters
-from distflow.update import backward_policy_loss
+from distflow.scoring import REWARD_FAILURES, score_groups
+from distflow.update import backward_policy_loss, pad_rows, per_sample_logprobs
 
 log = logging.getLogger("distflow")
 
 
 @dataclass
 class Rollouts:
-    """One step's local batch: samples in group-major order (group_size consecutive per prompt)."""
+    """A rank's batch: samples in group-major order (group_size consecutive per prompt)."""
 
-    items: list[PromptItem]
-    samples: list[Sample]
+    items: list[PromptItem] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
     rewards: torch.Tensor | None = None  # [num_prompts, group_size]
     advantages: torch.Tensor | None = None  # [num_prompts * group_size]
     old_logprobs: list[torch.Tensor] | None = None  # per sample, when the update needs them
+    ref_logprobs: list[torch.Tensor] | None = None  # per sample, when KL is on
+    reward_stats: dict[str, float] = field(default_factory=lambda: dict.fromkeys(REWARD_FAILURES, 0.0))
+    rounds: int = 0
+    generated_groups: int = 0
+
+    def keep_groups(self, other: "Rollouts", keep: torch.Tensor, group_size: int) -> None:
+        """Append the groups of `other` selected by the boolean mask `keep`."""
+        for g in keep.nonzero().flatten().tolist():
+            self.items.append(other.items[g])
+            self.samples += other.samples[g * group_size : (g + 1) * group_size]
+        chosen = other.rewards[keep]
+        self.rewards = chosen if self.rewards is None else torch.cat([self.rewards, chosen])
 
 
 def sample_seed(*parts: int) -> int:
@@ -59,7 +75,7 @@ def sample_seed(*parts: int) -> int:
 class Trainer:
     def __init__(self, cfg: DistflowConfig):
         self.cfg = cfg.validate()
-        t = cfg.trainer
+        t, a = cfg.trainer, cfg.algorithm
         # Order matters: process group, then engine (reuses it), then the FSDP policy.
         self.dist = init_distributed(t.backend, t.device, t.collective_timeout_s)
         random.seed(t.seed)
@@ -68,34 +84,46 @@ class Trainer:
         self.model_path = resolve_model_path(cfg.model.path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        self.reward_fn = load_reward(cfg.task.reward)
-        self.items = load_prompts(cfg.task, self.tokenizer, cfg.rollout.max_prompt_tokens)
+        self.rewards = RewardPool.from_task(cfg.task)  # workers start while the models load
+        limit = cfg.rollout.max_prompt_tokens
+        self.items = load_prompts(cfg.task, self.tokenizer, limit)
+        self.heldout = load_prompts(cfg.task, self.tokenizer, limit, split="heldout") if self._wants_validation() else []
         self.sampler = ShardedSampler(len(self.items), self.dist.rank, self.dist.world_size, t.seed, cfg.data.shuffle)
         self.engine = build_engine(self.model_path, cfg.model, cfg.rollout, self.dist.device, t.seed)
         self.policy = Policy(self.model_path, cfg.model, cfg.optim, self.dist.device, self.dist.world_size)
+        # The frozen reference exists only when KL is on: beta = 0 costs nothing.
+        self.reference = (Policy(self.model_path, cfg.model, cfg.optim, self.dist.device, self.dist.world_size,
+                                 trainable=False) if a.kl_coef > 0 else None)
         self.engine_dtype = getattr(torch, cfg.model.dtype)
+        self.advantage_fn = ADVANTAGE_ESTIMATORS[a.advantage]
         self.checkpointer = Checkpointer(t.output_dir, t.keep_last, self.dist.rank)
         self.step = 0
         self.history: list[dict] = []  # every logged step, kept so a resume can rewrite metrics.jsonl
+        self.summary: dict = {}
         self.resume()
-        self.logger = MetricLogger(t.output_dir, self.dist.is_main, t.steps, t.progress_bar)
+        self.logger = MetricLogger(t.output_dir, self.dist.is_main, t.steps, t.progress_bar,
+                                   loggers=t.loggers, run_config=cfg, project=t.wandb_project)
+
+    def _wants_validation(self) -> bool:
+        t = self.cfg.trainer
+        return bool(t.val_every or t.val_before_train or t.val_at_end)
 
     # ----------------------------------------------------------------- the loop
     def train(self) -> None:
         t = self.cfg.trainer
+        start = time.perf_counter()
+        if t.val_before_train and self.step == 0:
+            self.summary["before"] = self.validate()
         while self.step < t.steps:
             self.step += 1
             timing: dict[str, float] = {}
             t0 = time.perf_counter()
-            with _timed(timing, "generate"):
-                batch = self.generate()
+            batch = self.collect_rollouts(timing)
             inject_fault(t.fault_inject, self.dist.rank, self.step)
-            with _timed(timing, "reward"):
-                self.score(batch)
-            self.compute_advantages(batch)
             self.engine.sleep()
             with _timed(timing, "logprob"):
-                self.compute_old_logprobs(batch)
+                self.compute_logprobs(batch)
+            self.compute_advantages(batch)
             with _timed(timing, "update"):
                 update_stats = self.update(batch)
             self.engine.wake_up()
@@ -105,94 +133,98 @@ class Trainer:
                 probe_diff = self.probe_sync(batch)
             timing["step"] = time.perf_counter() - t0
             metrics = self.step_metrics(batch, timing, update_stats, probe_diff)
+            if t.val_every and self.step % t.val_every == 0 and self.step != t.steps:
+                metrics.update(self.validate())
+            if self.step == t.steps and t.val_at_end:
+                self.summary["after"] = self.validate()
+                metrics.update(self.summary["after"])
             self.history.append(metrics)
             self.logger.log(metrics)
             if self.step == t.steps or (t.checkpoint_every and self.step % t.checkpoint_every == 0):
                 self.save_checkpoint()
-        if t.export_at_end:
-            self.export(os.path.join(t.output_dir, "hf_model"))
-
-    # ----------------------------------------------------------------- checkpoints
-    def save_checkpoint(self) -> None:
-        rank_state = {"rng": rng_state(), "sampler": self.sampler.state_dict()}
-        shared = {"history": self.history, "scheduler": self.policy.scheduler.state_dict(),
-                  "model_path": self.model_path, "world_size": self.dist.world_size}
-        self.checkpointer.save(self.step, ModelOptimState(self.policy.model, self.policy.optimizer), rank_state, shared)
-
-    def resume(self) -> None:
-        """Restore everything a checkpoint holds, then give the engine the restored weights."""
-        t = self.cfg.trainer
-        found = resolve_resume(t.resume, t.output_dir)
-        path = broadcast_object(str(found) if found else None)  # rank 0's view of the filesystem decides
-        if path is None:
-            return
-        rank_state, shared = self.checkpointer.load(Path(path), ModelOptimState(self.policy.model, self.policy.optimizer))
-        self.policy.scheduler.load_state_dict(shared["scheduler"])
-        self.sampler.load_state_dict(rank_state["sampler"])
-        set_rng_state(rank_state["rng"])
-        self.step, self.history = shared["step"], shared["history"]
-        rewrite_metrics(t.output_dir, self.history, self.dist.is_main)
-        self.sync_weights()
-        log_main(self.dist.is_main, f"resumed from step {self.step} ({path})")
-
-    def export(self, out_dir: str) -> None:
-        """Collective: gathers full weights; rank 0 writes a plain HF folder."""
-        from distflow.export import save_hf_folder
-
-        full = get_model_state_dict(self.policy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.dist.is_main:
-            save_hf_folder(self.model_path, full, out_dir)
-        barrier()
+        self.finish(time.perf_counter() - start)
 
     # ----------------------------------------------------------------- phases
-    def generate(self) -> Rollouts:
-        idx = self.sampler.next_indices(self.cfg.data.prompts_per_rank)
+    def collect_rollouts(self, timing: dict[str, float]) -> Rollouts:
+        """Generate and score groups. With dynamic sampling (DAPO), groups whose rewards are all
+        equal carry no signal and are dropped, and every rank keeps generating until the GLOBAL
+        number of kept groups reaches the target or the round limit is hit."""
+        a, per_rank = self.cfg.algorithm, self.cfg.data.prompts_per_rank
+        target = per_rank * self.dist.world_size
+        kept = Rollouts()
+        rounds = a.max_sampling_rounds if a.dynamic_sampling else 1
+        for _ in range(rounds):
+            with _timed(timing, "generate"):
+                part = self.generate(per_rank)
+            with _timed(timing, "reward"):
+                self.score(part)
+            for k in REWARD_FAILURES:
+                kept.reward_stats[k] += part.reward_stats[k]
+            kept.rounds += 1
+            kept.generated_groups += len(part.items)
+            keep = dynamic_sampling_keep(part.rewards) if a.dynamic_sampling else torch.ones(len(part.items), dtype=torch.bool)
+            kept.keep_groups(part, keep, a.group_size)
+            if int(all_reduce(len(kept.items))) >= target:
+                break
+        if kept.rewards is None:
+            kept.rewards = torch.zeros((0, a.group_size))
+        return kept
+
+    def generate(self, n_prompts: int) -> Rollouts:
+        idx = self.sampler.next_indices(n_prompts)
         items = [self.items[i] for i in idx]
-        seeds = [sample_seed(self.cfg.trainer.seed, self.step, self.dist.rank, i) for i in idx]
+        # the sampler's position makes seeds unique across rounds and steps
+        pos = self.sampler.state_dict()
+        seeds = [sample_seed(self.cfg.trainer.seed, pos["epoch"], pos["offset"], self.dist.rank, i) for i in idx]
         groups = self.engine.generate([it.prompt_ids for it in items], self.cfg.algorithm.group_size, seeds)
         return Rollouts(items, [s for g in groups for s in g])
 
     def score(self, batch: Rollouts) -> None:
-        g = self.cfg.algorithm.group_size
-        texts = self.tokenizer.batch_decode([s.response_ids for s in batch.samples], skip_special_tokens=True)
-        rewards = []
-        for i, (sample, text) in enumerate(zip(batch.samples, texts)):
-            item = batch.items[i // g]
-            fields = {"answer": item.answer, **item.fields}
-            rewards.append(float(self.reward_fn(item.prompt_text, text, sample.response_ids, fields)))
-        batch.rewards = torch.tensor(rewards, dtype=torch.float32).view(-1, g)
-
-    def compute_advantages(self, batch: Rollouts) -> None:
-        a = self.cfg.algorithm
-        batch.advantages = group_normalized_advantages(batch.rewards, a.scale_rewards, a.eps).reshape(-1)
+        batch.rewards, batch.reward_stats = score_groups(
+            self.rewards, self.tokenizer, batch.items, batch.samples, self.cfg.algorithm.group_size)
 
     def _needs_old_logprobs(self) -> bool:
         # With one optimizer step per rollout the policy that sampled is the one being trained,
         # so the ratio is 1 by construction and old logprobs are the detached current ones.
-        return self.cfg.algorithm.ppo_epochs > 1 or self.cfg.optim.mini_batches > 1
+        a = self.cfg.algorithm
+        return a.ppo_epochs > 1 or self.cfg.optim.mini_batches > 1 or (a.kl_coef > 0 and a.kl_in_reward)
 
-    @torch.no_grad()
-    def compute_old_logprobs(self, batch: Rollouts) -> None:
-        if not self._needs_old_logprobs():
-            return
-        temp, size = self.cfg.rollout.temperature, self.cfg.optim.micro_batch_size
-        batch.old_logprobs = []
-        for i in range(0, len(batch.samples), size):
-            mb = TokenBatch.from_samples(batch.samples[i : i + size], self.pad_id, self.dist.device)
-            batch.old_logprobs += list(self.policy.logprobs(mb, temp))
+    def compute_logprobs(self, batch: Rollouts) -> None:
+        if self._needs_old_logprobs():
+            batch.old_logprobs = per_sample_logprobs(self.policy, batch.samples, self.cfg, self.pad_id)
+        if self.reference is not None:
+            batch.ref_logprobs = per_sample_logprobs(self.reference, batch.samples, self.cfg, self.pad_id)
+
+    def compute_advantages(self, batch: Rollouts) -> None:
+        a, r = self.cfg.algorithm, self.cfg.rollout
+        rewards = batch.rewards.clone()
+        if a.overlong_buffer_len > 0:  # DAPO soft overlong punishment
+            lens = torch.tensor([len(s.response_ids) for s in batch.samples], dtype=torch.float32)
+            rewards += overlong_penalty(lens, r.max_new_tokens, a.overlong_buffer_len, a.overlong_penalty).view_as(rewards)
+        if a.kl_coef > 0 and a.kl_in_reward and batch.samples:
+            width = max(1, max(len(s.response_ids) for s in batch.samples))
+            old, ref = pad_rows(batch.old_logprobs, width), pad_rows(batch.ref_logprobs, width)
+            mask = pad_rows([torch.ones(len(s.response_ids)) for s in batch.samples], width)
+            rewards -= a.kl_coef * sequence_kl(old.cpu(), ref.cpu(), mask, a.kl_estimator).view_as(rewards)
+        batch.advantages = self.advantage_fn(rewards, a, lambda v: all_reduce(v).tolist()).reshape(-1)
 
     def update(self, batch: Rollouts) -> dict[str, float]:
-        """ppo_epochs x mini_batches optimizer steps on this step's rollouts."""
+        """ppo_epochs x mini_batches optimizer steps; skipped (on all ranks) if no group is left."""
         o = self.cfg.optim
-        per_mini = len(batch.samples) // o.mini_batches
-        totals: dict[str, float] = {}
+        totals: dict[str, float] = {"skipped": 0.0}
+        if int(all_reduce(len(batch.samples))) == 0:
+            log_main(self.dist.is_main, f"step {self.step}: every group was filtered out; update skipped")
+            return {"skipped": 1.0}
+        per_mini = -(-len(batch.samples) // o.mini_batches) if batch.samples else 0
         grad_norms = []
         for _ in range(self.cfg.algorithm.ppo_epochs):
-            for lo in range(0, len(batch.samples), per_mini):
-                hi = lo + per_mini
-                old = batch.old_logprobs[lo:hi] if batch.old_logprobs is not None else None
+            for m in range(o.mini_batches):
+                rows = slice(m * per_mini, (m + 1) * per_mini)
                 stats = backward_policy_loss(
-                    self.policy, batch.samples[lo:hi], batch.advantages[lo:hi], old, self.cfg, self.pad_id
+                    self.policy, batch.samples[rows], batch.advantages[rows],
+                    batch.old_logprobs[rows] if batch.old_logprobs is not None else None,
+                    self.cfg, self.pad_id,
+                    ref_logprobs=batch.ref_logprobs[rows] if batch.ref_logprobs is not None else None,
                 )
                 for k, v in stats.items():
                     totals[k] = totals.get(k, 0.0) + v
@@ -208,10 +240,11 @@ class Trainer:
     @torch.no_grad()
     def probe_sync(self, batch: Rollouts) -> float:
         """Max |engine - policy| logprob on this step's sequences, after the resync."""
-        n = min(self.cfg.trainer.sync_probe_seqs, len(batch.samples))
+        n = self.cfg.trainer.sync_probe_seqs
         if n == 0:
             return float("nan")
-        seqs = [s.prompt_ids + s.response_ids for s in batch.samples[:n]]
+        samples = batch.samples[:n] or [Sample([self.pad_id], [self.pad_id], [], False)]
+        seqs = [s.prompt_ids + s.response_ids for s in samples]
         engine_lp = self.engine.prompt_logprobs(seqs)
         as_samples = [Sample(seq[:1], seq[1:], [], False) for seq in seqs]
         policy_lp = self.policy.logprobs(TokenBatch.from_samples(as_samples, self.pad_id, self.dist.device), 1.0)
@@ -221,9 +254,75 @@ class Trainer:
             diff = max(diff, float((torch.tensor(lp) - ref).abs().max()))
         return diff
 
+    def validate(self) -> dict[str, float]:
+        k = self.cfg.trainer.val_pass_k
+        return evaluate(self.engine, self.rewards, self.tokenizer, self.heldout, self.dist, k,
+                        seed=self.cfg.trainer.seed)
+
+    # ----------------------------------------------------------------- checkpoints
+    def save_checkpoint(self) -> None:
+        rank_state = {"rng": rng_state(), "sampler": self.sampler.state_dict()}
+        shared = {"history": self.history, "scheduler": self.policy.scheduler.state_dict(),
+                  "model_path": self.model_path, "world_size": self.dist.world_size, "summary": self.summary}
+        self.checkpointer.save(self.step, ModelOptimState(self.policy.model, self.policy.optimizer), rank_state, shared)
+
+    def resume(self) -> None:
+        """Restore everything a checkpoint holds, then give the engine the restored weights."""
+        t = self.cfg.trainer
+        found = resolve_resume(t.resume, t.output_dir)
+        path = broadcast_object(str(found) if found else None)  # rank 0's view of the filesystem decides
+        if path is None:
+            return
+        rank_state, shared = self.checkpointer.load(Path(path), ModelOptimState(self.policy.model, self.policy.optimizer))
+        self.policy.scheduler.load_state_dict(shared["scheduler"])
+        self.sampler.load_state_dict(rank_state["sampler"])
+        set_rng_state(rank_state["rng"])
+        self.step, self.history = shared["step"], shared["history"]
+        self.summary = shared.get("summary", {})
+        rewrite_metrics(t.output_dir, self.history, self.dist.is_main)
+        self.sync_weights()
+        log_main(self.dist.is_main, f"resumed from step {self.step} ({path})")
+
+    def export(self, out_dir: str) -> None:
+        """Collective: gathers full weights; rank 0 writes a plain HF folder."""
+        from distflow.export import save_hf_folder
+
+        full = get_model_state_dict(self.policy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.dist.is_main:
+            save_hf_folder(self.model_path, full, out_dir)
+        barrier()
+
+    def finish(self, wall_s: float) -> None:
+        """End of run: export, summary.json and plots (rank 0 writes)."""
+        t = self.cfg.trainer
+        if t.export_at_end:
+            self.export(os.path.join(t.output_dir, "hf_model"))
+        summary = {"steps": self.step, "wall_s": wall_s, "world_size": self.dist.world_size}
+        for when in ("before", "after"):
+            if when in self.summary:
+                summary[f"heldout_pass1_{when}"] = self.summary[when]["val/pass@1"]
+                summary["heldout_items"] = int(self.summary[when]["val/items"])
+        if "before" in self.summary and "after" in self.summary:
+            summary["heldout_pass1_delta"] = summary["heldout_pass1_after"] - summary["heldout_pass1_before"]
+        if self.history:
+            summary["final_reward_mean"] = self.history[-1]["reward/mean"]
+        self.summary_file = write_summary(t.output_dir, summary, self.dist.is_main)
+        if t.plot_at_end and self.dist.is_main:
+            from distflow.plot import write_plots
+
+            for path in write_plots(t.output_dir):
+                self.logger.info(f"plot: {path}")
+        for when in ("before", "after"):
+            if f"heldout_pass1_{when}" in summary:
+                self.logger.info(f"held-out pass@1 {when} training: {summary[f'heldout_pass1_{when}']:.3f} "
+                                 f"({summary['heldout_items']} items)")
+        if "heldout_pass1_delta" in summary:
+            self.logger.info(f"held-out pass@1 change: {summary['heldout_pass1_delta']:+.3f}")
+
     # ----------------------------------------------------------------- metrics
     def step_metrics(self, batch: Rollouts, timing: dict[str, float], upd: dict[str, float], probe: float) -> dict:
-        resp_lens = [len(s.response_ids) for s in batch.samples]
+        a = self.cfg.algorithm
+        resp_lens = [len(s.response_ids) for s in batch.samples] or [0]
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch.samples)
         sums = {
             "reward_sum": float(batch.rewards.sum()),
@@ -231,16 +330,18 @@ class Trainer:
             "resp_tokens": float(sum(resp_lens)),
             "truncated": float(sum(s.truncated for s in batch.samples)),
             "tokens": float(tokens),
-            "loss/policy": upd["loss"],
-            "clip_low": upd["clip_low"],
-            "clip_high": upd["clip_high"],
-            "trained_tokens": upd["tokens"],
+            "kept_groups": float(len(batch.items)),
+            "generated_groups": float(batch.generated_groups),
+            **{f"reward/{k}": v for k, v in batch.reward_stats.items()},
+            **{f"upd/{k}": upd.get(k, 0.0) for k in ("loss", "clip_low", "clip_high", "dual_clip", "kl",
+                                                      "entropy", "tis_weight", "tokens")},
         }
         maxima = {f"timing/{k}_s": v for k, v in timing.items()}
-        maxima.update({"response_length/max": float(max(resp_lens)), "sync/max_abs_logprob_diff": probe})
+        maxima.update({"response_length/max": float(max(resp_lens)), "sync/max_abs_logprob_diff": probe,
+                       "dynamic_sampling/rounds": float(batch.rounds)})
         g = reduce_step_metrics(sums, maxima)
-        n, trained = max(g["samples"], 1.0), max(g["trained_tokens"], 1.0)
-        return {
+        n, trained = max(g["samples"], 1.0), max(g["upd/tokens"], 1.0)
+        out = {
             "step": self.step,
             "reward/mean": g["reward_sum"] / n,
             "response_length/mean": g["resp_tokens"] / n,
@@ -249,15 +350,31 @@ class Trainer:
             **{k: v for k, v in g.items() if k.startswith("timing/")},
             "throughput/tokens_per_s": g["tokens"] / max(g["timing/step_s"], 1e-9),
             "sync/max_abs_logprob_diff": g["sync/max_abs_logprob_diff"],
-            "loss/policy": g["loss/policy"],
-            "clip/fraction_low": g["clip_low"] / trained,
-            "clip/fraction_high": g["clip_high"] / trained,
-            "grad_norm": upd["grad_norm"],
+            "loss/policy": g["upd/loss"],
+            "clip/fraction_low": g["upd/clip_low"] / trained,
+            "clip/fraction_high": g["upd/clip_high"] / trained,
+            "grad_norm": upd.get("grad_norm", 0.0),
             "lr": self.policy.lr,
+            **{f"reward/{k}": g[f"reward/{k}"] for k in REWARD_FAILURES},
         }
+        if a.dual_clip_c is not None:
+            out["clip/fraction_dual"] = g["upd/dual_clip"] / trained
+        if a.kl_coef > 0:
+            out["loss/kl"] = g["upd/kl"] / trained
+        if a.entropy_coef != 0:
+            out["loss/entropy"] = g["upd/entropy"] / trained
+        if a.tis_cap is not None:
+            out["tis/mean_weight"] = g["upd/tis_weight"] / trained
+        if a.dynamic_sampling:
+            out["dynamic_sampling/kept_groups"] = g["kept_groups"]
+            out["dynamic_sampling/generated_groups"] = g["generated_groups"]
+            out["dynamic_sampling/rounds"] = g["dynamic_sampling/rounds"]
+            out["update/skipped"] = upd.get("skipped", 0.0)
+        return out
 
     def close(self) -> None:
         self.logger.close()
+        self.rewards.close()
         self.engine.shutdown()
         shutdown()
 
@@ -283,12 +400,22 @@ def rewrite_metrics(output_dir: str, history: list[dict], is_main: bool) -> None
         f.writelines(json.dumps(m) + "\n" for m in history)
 
 
+def write_summary(output_dir: str, summary: dict, is_main: bool) -> str:
+    path = os.path.join(output_dir, "summary.json")
+    if is_main:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=2)
+    return path
+
+
 def log_main(is_main: bool, message: str) -> None:
     if is_main:
         print(f"distflow: {message}", flush=True)
 
 
 class _timed:
+    """Adds the wall time of the block to out[key] (so repeated phases accumulate)."""
+
     def __init__(self, out: dict[str, float], key: str):
         self.out, self.key = out, key
 
@@ -296,4 +423,4 @@ class _timed:
         self.t = time.perf_counter()
 
     def __exit__(self, *exc):
-        self.out[self.key] = time.perf_counter() - self.t
+        self.out[self.key] = self.out.get(self.key, 0.0) + time.perf_counter() - self.t

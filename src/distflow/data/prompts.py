@@ -25,18 +25,21 @@ class PromptItem:
     fields: dict  # the raw row, for task-specific rewards
 
 
-def load_prompts(task: TaskConfig, tokenizer, max_prompt_tokens: int) -> list[PromptItem]:
-    """Read `task.path` and return one PromptItem per usable row.
+def load_prompts(task: TaskConfig, tokenizer, max_prompt_tokens: int, split: str = "train") -> list[PromptItem]:
+    """Read the task's `split` ("train" or "heldout") and return one PromptItem per usable row.
+
+    File tasks read `task.path` (train) or `task.heldout_path`; procedural tasks
+    (`task.name=reasoning_gym`) generate their rows from seeds (distflow.tasks.gym).
 
     Rows whose prompt is not a non-empty string are skipped, and prompts longer than
     `max_prompt_tokens` are dropped (never truncated: a cut prompt is a different question);
     each kind is counted and logged once. Everything else that is wrong raises ConfigError.
     """
-    rows = _read_rows(task)
+    rows, source = _task_rows(task, split)
     columns = list(rows[0])
     for role, key in (("prompt_key", task.prompt_key), ("answer_key", task.answer_key)):
         if key not in columns:
-            raise ConfigError(f"task.{role} {key!r} is not a column of {task.path}; columns: {columns}")
+            raise ConfigError(f"task.{role} {key!r} is not a column of {source}; columns: {columns}")
 
     items, bad, too_long = [], 0, 0
     for row in rows:
@@ -56,30 +59,43 @@ def load_prompts(task: TaskConfig, tokenizer, max_prompt_tokens: int) -> list[Pr
 
     if bad:
         logger.warning("skipped %d of %d rows of %s whose %r is not a non-empty string",
-                       bad, len(rows), task.path, task.prompt_key)
+                       bad, len(rows), source, task.prompt_key)
     if too_long:
         logger.warning("dropped %d of %d prompts of %s longer than rollout.max_prompt_tokens=%d",
-                       too_long, len(rows), task.path, max_prompt_tokens)
+                       too_long, len(rows), source, max_prompt_tokens)
     if not items:
-        raise ConfigError(f"no usable prompts in {task.path}: {bad} rows without a prompt string, "
+        raise ConfigError(f"no usable prompts in {source}: {bad} rows without a prompt string, "
                           f"{too_long} longer than rollout.max_prompt_tokens={max_prompt_tokens}")
     return items
 
 
-def _read_rows(task: TaskConfig) -> list[dict]:
-    path = task.path
+def _task_rows(task: TaskConfig, split: str) -> tuple[list[dict], str]:
+    if task.name == "reasoning_gym":
+        from distflow.tasks.gym import gym_rows
+
+        return gym_rows(task, split), f"reasoning_gym:{task.gym_dataset}:{split}"
+    if task.name != "jsonl":
+        raise ConfigError(f"unknown task.name {task.name!r}: expected 'jsonl' (any local file) or 'reasoning_gym'")
+    if split == "train":
+        return _read_rows(task.path, task.split, "task.path"), task.path
+    if not task.heldout_path:
+        raise ConfigError("validation needs a held-out split: set task.heldout_path")
+    return _read_rows(task.heldout_path, task.split, "task.heldout_path"), task.heldout_path
+
+
+def _read_rows(path: str, hf_split: str, key: str) -> list[dict]:
     if not os.path.isfile(path):
-        raise ConfigError(f"task.path {path!r} is not a file")
+        raise ConfigError(f"{key} {path!r} is not a file")
     ext = os.path.splitext(path)[1].lower()
     if ext not in _BUILDERS:
-        raise ConfigError(f"task.path {path!r}: unknown extension {ext!r}, expected one of {sorted(_BUILDERS)}")
+        raise ConfigError(f"{key} {path!r}: unknown extension {ext!r}, expected one of {sorted(_BUILDERS)}")
     if os.path.getsize(path) == 0:
         raise ConfigError(f"dataset {path} has no rows")
     # A private cache per call: ranks loading the same file at once share no cache files or locks,
     # and nothing is written under the user's home. keep_in_memory lets the folder go right away.
     try:
         with tempfile.TemporaryDirectory(prefix="distflow-data-") as cache_dir:
-            ds = datasets.load_dataset(_BUILDERS[ext], data_files=path, split=task.split,
+            ds = datasets.load_dataset(_BUILDERS[ext], data_files=path, split=hf_split,
                                        cache_dir=cache_dir, keep_in_memory=True)
             rows = ds.to_list()
     except ValueError as e:
