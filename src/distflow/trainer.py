@@ -9,6 +9,7 @@ Algorithms differ only in the functions the config selects (distflow.algorithms.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -26,7 +27,7 @@ from transformers import AutoTokenizer
 
 from distflow.algorithms import ADVANTAGE_ESTIMATORS, dynamic_sampling_keep, overlong_penalty, sequence_kl
 from distflow.checkpoint import Checkpointer, ModelOptimState, resolve_resume, rng_state, set_rng_state
-from distflow.config import DistflowConfig
+from distflow.config import ConfigError, DistflowConfig
 from distflow.data.prompts import PromptItem, load_prompts
 from distflow.data.sampler import ShardedSampler
 from distflow.distributed import all_reduce, barrier, broadcast_object, init_distributed, shutdown
@@ -78,6 +79,7 @@ class Trainer:
         t, a = cfg.trainer, cfg.algorithm
         # Order matters: process group, then engine (reuses it), then the FSDP policy.
         self.dist = init_distributed(t.backend, t.device, t.collective_timeout_s)
+        check_same_config(cfg, t.output_dir, self.dist.is_main)
         random.seed(t.seed)
         np.random.seed(t.seed)
         torch.manual_seed(t.seed)
@@ -377,6 +379,21 @@ class Trainer:
         self.rewards.close()
         self.engine.shutdown()
         shutdown()
+
+
+def check_same_config(cfg: DistflowConfig, output_dir: str, is_main: bool) -> None:
+    """Every rank must run the same config (a stray override on one node would silently
+    diverge the SPMD program): compare a hash across ranks; rank 0 saves the resolved config."""
+    text = json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str)
+    digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:6], "little")  # exact in float64
+    low, high = all_reduce(digest, "min"), all_reduce(digest, "max")
+    if int(low) != int(high):
+        raise ConfigError(f"the resolved config differs between ranks (hashes {int(low):x} vs {int(high):x}); "
+                          "launch every rank with the same overrides")
+    if is_main:
+        os.makedirs(output_dir, exist_ok=True)
+        with open(os.path.join(output_dir, "config.json"), "w", encoding="utf-8") as f:
+            f.write(text)
 
 
 def inject_fault(spec: str, rank: int, step: int) -> None:
