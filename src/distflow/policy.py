@@ -22,12 +22,19 @@ from distflow.rollout.base import Sample
 
 @dataclass
 class TokenBatch:
-    """Right-padded sequences plus where each response sits in them."""
+    """Left-padded sequences, so every response ends at the last column.
+
+    Left padding lets the forward pass compute logits only for the last R+1 positions
+    (`logits_to_keep`), which hold every response token; the LM head over prompt tokens —
+    a large share of a small model's FLOPs — is skipped. Position ids are explicit, so
+    padding never shifts positions (they match the engine's 0..n-1).
+    """
 
     input_ids: torch.Tensor  # [B, L]
     attention_mask: torch.Tensor  # [B, L]
-    resp_start: torch.Tensor  # [B] index of the first response token
-    resp_mask: torch.Tensor  # [B, R] 1 on real response tokens
+    position_ids: torch.Tensor  # [B, L]
+    resp_len: torch.Tensor  # [B] response tokens per row
+    resp_mask: torch.Tensor  # [B, R] 1 on real (trained) response tokens, left-aligned
 
     @staticmethod
     def from_samples(samples: list[Sample], pad_id: int, device: torch.device, drop_truncated: bool = False) -> "TokenBatch":
@@ -39,11 +46,12 @@ class TokenBatch:
         attn = torch.zeros((len(seqs), width), dtype=torch.long)
         rmask = torch.zeros((len(seqs), resp_width), dtype=torch.float32)
         for i, (seq, s) in enumerate(zip(seqs, samples)):
-            ids[i, : len(seq)] = torch.tensor(seq)
-            attn[i, : len(seq)] = 1
+            ids[i, width - len(seq):] = torch.tensor(seq)
+            attn[i, width - len(seq):] = 1
             rmask[i, : len(s.response_ids)] = 0.0 if (drop_truncated and s.truncated) else 1.0
-        start = torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long)
-        return TokenBatch(ids.to(device), attn.to(device), start.to(device), rmask.to(device))
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        resp_len = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.long)
+        return TokenBatch(ids.to(device), attn.to(device), pos.to(device), resp_len.to(device), rmask.to(device))
 
 
 def _decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -97,13 +105,16 @@ class Policy:
 
     def forward(self, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False):
         """(logprobs [B, R], entropy [B, R] or None) of the response tokens at `temperature`."""
-        logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
         width = batch.resp_mask.shape[1]
-        # the token at position p is predicted by the logits at p - 1
-        pos = (batch.resp_start[:, None] - 1 + torch.arange(width, device=logits.device)[None, :])
-        pos = pos.clamp(max=logits.shape[1] - 2)
-        sel = logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1])).float() / temperature
-        targets = batch.input_ids.gather(1, pos + 1)
+        keep = width + 1  # window of the last R+1 positions, which predicts every response token
+        logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                            position_ids=batch.position_ids, logits_to_keep=keep).logits
+        # response token t of a row with r tokens sits at window index R - r + t + 1 and is
+        # predicted by the logits at window index R - r + t
+        t = torch.arange(width, device=logits.device)[None, :]
+        idx = (width - batch.resp_len[:, None] + t).clamp(max=width - 1)
+        sel = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1])).float() / temperature
+        targets = batch.input_ids[:, -keep:].gather(1, idx + 1)
         lp = sel.gather(-1, targets[..., None]).squeeze(-1) - torch.logsumexp(sel, dim=-1)
         entropy = entropy_from_logits(sel) * batch.resp_mask if with_entropy else None
         if not torch.is_grad_enabled():
