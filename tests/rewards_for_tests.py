@@ -63,3 +63,15 @@ def flat_on_rank1(prompt, completion, completion_ids, item):
 
 def constant(prompt, completion, completion_ids, item):
     return 1.0
+
+
+def hang_sometimes(prompt, completion, completion_ids, item):
+    """Hangs forever on about one completion in six (chosen by a hash of its text, so the same
+    completion always hangs), else digit_fraction: the pool's timeout must keep the run moving."""
+    import time
+    import zlib
+
+    if zlib.crc32(completion.encode("utf-8", "replace")) % 6 == 0:
+        while True:
+            time.sleep(60)
+    return digit_fraction(prompt, completion, completion_ids, item)

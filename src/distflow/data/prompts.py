@@ -1,9 +1,13 @@
-"""Load a prompt/answer dataset from a local file and render each prompt with the chat template."""
+"""Load a prompt/answer dataset (a local file, a Hugging Face Hub dataset, or a procedural
+reasoning-gym task) and render each prompt with the chat template."""
 
 from __future__ import annotations
 
+import codecs
 import logging
+import math
 import os
+import re
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,6 +19,11 @@ from distflow.config import ConfigError, TaskConfig
 logger = logging.getLogger("distflow")
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+_TEXT_FORMATS = (".jsonl", ".json", ".csv")
+# A path ending in one of these names a file, never a hub dataset (so a typo says "not a file").
+_FILE_EXTS = {*_BUILDERS, ".txt", ".tsv", ".arrow", ".gz", ".bz2", ".xz", ".zst", ".zip", ".tar", ".jsonl.gz"}
+# owner/name[:config][@split], e.g. "openai/gsm8k:main", "openai/gsm8k:main@test[:100]".
+_HUB_NAME = re.compile(r"(?P<name>[A-Za-z0-9][\w.-]*/[\w.-]*\w)(?::(?P<config>[\w.-]+))?(?:@(?P<split>\S+))?")
 
 
 @dataclass
@@ -28,12 +37,21 @@ class PromptItem:
 def load_prompts(task: TaskConfig, tokenizer, max_prompt_tokens: int, split: str = "train") -> list[PromptItem]:
     """Read the task's `split` ("train" or "heldout") and return one PromptItem per usable row.
 
-    File tasks read `task.path` (train) or `task.heldout_path`; procedural tasks
-    (`task.name=reasoning_gym`) generate their rows from seeds (distflow.tasks.gym).
+    File tasks read `task.path` (train) or `task.heldout_path`: a local jsonl/json/parquet/csv
+    file or, when that is no existing path, a Hub dataset `owner/name[:config][@split]` (see
+    `_read_hub`). Procedural tasks (`task.name=reasoning_gym`) generate their rows from seeds
+    (distflow.tasks.gym).
 
-    Rows whose prompt is not a non-empty string are skipped, and prompts longer than
-    `max_prompt_tokens` are dropped (never truncated: a cut prompt is a different question);
-    each kind is counted and logged once. Everything else that is wrong raises ConfigError.
+    Bad rows, each kind counted and logged once, never silently:
+    - a prompt that is missing, not a string, or blank: the row is skipped;
+    - an answer that is missing, null (NaN) or blank: the row is skipped (a reward must never
+      compare against the text "None");
+    - a prompt longer than `max_prompt_tokens`: dropped, never truncated (a cut prompt is a
+      different question);
+    - a prompt that repeats an earlier one: kept (every row is a prompt; repeats weigh it more),
+      with one warning giving the count and how many of them disagree on the answer.
+    A missing/unreadable/empty file, a non-UTF-8 text file, a prompt or answer column that does
+    not exist, or no usable row at all raises ConfigError.
     """
     rows, source = _task_rows(task, split)
     columns = list(rows[0])
@@ -41,11 +59,17 @@ def load_prompts(task: TaskConfig, tokenizer, max_prompt_tokens: int, split: str
         if key not in columns:
             raise ConfigError(f"task.{role} {key!r} is not a column of {source}; columns: {columns}")
 
-    items, bad, too_long = [], 0, 0
+    items, bad, no_answer, too_long = [], 0, 0, 0
+    first_answer: dict[str, str] = {}
+    repeats, conflicting = 0, 0
     for row in rows:
-        prompt = row[task.prompt_key]
+        prompt = row.get(task.prompt_key)
         if not isinstance(prompt, str) or not prompt.strip():
             bad += 1
+            continue
+        answer = _answer_text(row.get(task.answer_key))
+        if answer is None:
+            no_answer += 1
             continue
         messages = [{"role": "user", "content": prompt}]
         if task.system_prompt:
@@ -54,19 +78,44 @@ def load_prompts(task: TaskConfig, tokenizer, max_prompt_tokens: int, split: str
         if len(ids) > max_prompt_tokens:
             too_long += 1
             continue
+        if prompt in first_answer:
+            repeats += 1
+            conflicting += first_answer[prompt] != answer
+        else:
+            first_answer[prompt] = answer
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        items.append(PromptItem(ids, text, str(row[task.answer_key]), row))
+        items.append(PromptItem(ids, text, answer, row))
 
     if bad:
-        logger.warning("skipped %d of %d rows of %s whose %r is not a non-empty string",
+        logger.warning("skipped %d of %d rows of %s whose %r is missing or not a non-empty string",
                        bad, len(rows), source, task.prompt_key)
+    if no_answer:
+        logger.warning("skipped %d of %d rows of %s whose answer %r is missing, null or empty",
+                       no_answer, len(rows), source, task.answer_key)
     if too_long:
         logger.warning("dropped %d of %d prompts of %s longer than rollout.max_prompt_tokens=%d",
                        too_long, len(rows), source, max_prompt_tokens)
+    if repeats:
+        logger.warning("%d of %d kept rows of %s repeat an earlier prompt (%d of them with a different answer); "
+                       "kept: every row is a prompt, so repeated ones are sampled more often",
+                       repeats, len(items), source, conflicting)
     if not items:
         raise ConfigError(f"no usable prompts in {source}: {bad} rows without a prompt string, "
+                          f"{no_answer} without an answer, "
                           f"{too_long} longer than rollout.max_prompt_tokens={max_prompt_tokens}")
     return items
+
+
+def _answer_text(answer) -> str | None:
+    """The reference answer as a string; None when there is none (missing, null, NaN, blank).
+    A float with no fractional part is written as an integer ("3", not "3.0"): a CSV column of
+    integers with one empty cell is read as floats, and a string reward should still see "3"."""
+    if answer is None or (isinstance(answer, float) and math.isnan(answer)):
+        return None
+    if isinstance(answer, float) and answer.is_integer():
+        answer = int(answer)
+    text = answer if isinstance(answer, str) else str(answer)
+    return text if text.strip() else None
 
 
 def _task_rows(task: TaskConfig, split: str) -> tuple[list[dict], str]:
@@ -75,16 +124,25 @@ def _task_rows(task: TaskConfig, split: str) -> tuple[list[dict], str]:
 
         return gym_rows(task, split), f"reasoning_gym:{task.gym_dataset}:{split}"
     if task.name != "jsonl":
-        raise ConfigError(f"unknown task.name {task.name!r}: expected 'jsonl' (any local file) or 'reasoning_gym'")
+        raise ConfigError(f"unknown task.name {task.name!r}: expected 'jsonl' (a local file or hub dataset) "
+                          f"or 'reasoning_gym'")
     if split == "train":
         return _read_rows(task.path, task.split, "task.path"), task.path
     if not task.heldout_path:
         raise ConfigError("validation needs a held-out split: set task.heldout_path")
-    return _read_rows(task.heldout_path, task.split, "task.heldout_path"), task.heldout_path
+    return _read_rows(task.heldout_path, task.split, "task.heldout_path", hub_split="test"), task.heldout_path
 
 
-def _read_rows(path: str, hf_split: str, key: str) -> list[dict]:
+def _read_rows(path: str, hf_split: str, key: str, hub_split: str | None = None) -> list[dict]:
+    """Rows of a local file; if `path` is no existing path but looks like a hub dataset name,
+    rows of that hub dataset (split: its "@split" suffix, else `hub_split` or `hf_split`)."""
+    if not path:
+        raise ConfigError(f"{key} is not set: give a local jsonl/json/parquet/csv file or a hub dataset name")
     if not os.path.isfile(path):
+        hub = _hub_spec(path)
+        if hub is not None:
+            name, config, split = hub
+            return _read_hub(path, name, config, split or hub_split or hf_split, key)
         raise ConfigError(f"{key} {path!r} is not a file")
     ext = os.path.splitext(path)[1].lower()
     if ext not in _BUILDERS:
@@ -98,15 +156,70 @@ def _read_rows(path: str, hf_split: str, key: str) -> list[dict]:
             ds = datasets.load_dataset(_BUILDERS[ext], data_files=path, split=hf_split,
                                        cache_dir=cache_dir, keep_in_memory=True)
             rows = ds.to_list()
-    except ValueError as e:
-        if "corresponds to no data" in str(e):  # e.g. a CSV with only a header
-            raise ConfigError(f"dataset {path} has no rows") from e
-        raise ConfigError(f"could not read dataset {path}: {e}") from e
     except Exception as e:  # noqa: BLE001 - pyarrow/pandas parse errors come in many types
-        raise ConfigError(f"could not read dataset {path}: {type(e).__name__}: {e}") from e
+        if ext in _TEXT_FORMATS and (problem := _utf8_problem(path)):
+            raise ConfigError(problem) from e
+        if isinstance(e, ValueError) and "corresponds to no data" in str(e):  # e.g. a CSV with only a header
+            raise ConfigError(f"dataset {path} has no rows") from e
+        detail = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        raise ConfigError(f"could not read dataset {path}: {detail}") from e
     if not rows:
         raise ConfigError(f"dataset {path} has no rows")
     return rows
+
+
+def _hub_spec(path: str) -> tuple[str, str | None, str | None] | None:
+    """(name, config, split) if `path` looks like a hub dataset `owner/name[:config][@split]`
+    and is no existing path; None otherwise (a missing local file, an absolute path, ...)."""
+    m = _HUB_NAME.fullmatch(path)
+    if m is None or os.path.exists(path):
+        return None
+    name = m.group("name")
+    lower = name.lower()
+    if any(lower.endswith(ext) for ext in _FILE_EXTS):
+        return None
+    return name, m.group("config"), m.group("split")
+
+
+def _read_hub(path: str, name: str, config: str | None, split: str, key: str) -> list[dict]:
+    """A hub dataset through the datasets library and its usual cache (offline: only if cached)."""
+    offline = [v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+               if os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")]
+    where = f"{name!r}" + (f" (config {config!r})" if config else "") + f", split {split!r}"
+    try:
+        rows = datasets.load_dataset(name, config, split=split).to_list()
+    except Exception as e:  # noqa: BLE001 - network, auth, missing config/split: all the user's to fix
+        need = (f"{' and '.join(offline)} {'is' if len(offline) == 1 else 'are'} set, so only an already cached "
+                f"copy can be used: " if offline else "")
+        raise ConfigError(
+            f"{key} {path!r} is not a local file, and loading it as a Hugging Face Hub dataset {where} failed "
+            f"({type(e).__name__}: {str(e)[:300]}). {need}a hub dataset needs network access; otherwise save it "
+            f"as a local jsonl/parquet file and point {key} at that file") from e
+    if not rows:
+        raise ConfigError(f"hub dataset {where} has no rows")
+    return rows
+
+
+def _utf8_problem(path: str) -> str | None:
+    """A message naming the first byte of `path` that is not UTF-8 (offset and line); None if it all is."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset, newlines = 0, 0
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 20)
+            pending = len(decoder.getstate()[0])  # bytes of a sequence split across chunks
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as e:
+                pos = offset - pending + e.start
+                line = newlines + chunk[: max(0, pos - offset)].count(b"\n") + 1
+                byte = (e.object[e.start:e.start + 1] or b"?").hex()
+                return (f"dataset {path} is not valid UTF-8: byte 0x{byte} at offset {pos} (line {line}); "
+                        f"re-encode it as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)")
+            if not chunk:
+                return None
+            offset += len(chunk)
+            newlines += chunk.count(b"\n")
 
 
 def _as_id_list(out) -> list[int]:
