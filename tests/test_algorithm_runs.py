@@ -1,7 +1,6 @@
 """Every algorithm config runs the smoke experiment end to end on 2 ranks, and DAPO's dynamic
 sampling keeps ranks in step when their kept-group counts differ."""
 
-from pathlib import Path
 
 import pytest
 

@@ -1,11 +1,9 @@
 """Checkpoints: bit-exact resume, a SIGKILLed rank under torchrun restarts, torn checkpoints,
 a raising rank, and export to a plain HF folder. Real torchrun runs, real DCP files."""
 
-import json
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
