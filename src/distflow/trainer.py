@@ -320,6 +320,7 @@ class Trainer:
                                  f"({summary['heldout_items']} items)")
         if "heldout_pass1_delta" in summary:
             self.logger.info(f"held-out pass@1 change: {summary['heldout_pass1_delta']:+.3f}")
+        self.logger.info(f"summary: {self.summary_file}")
 
     # ----------------------------------------------------------------- metrics
     def step_metrics(self, batch: Rollouts, timing: dict[str, float], upd: dict[str, float], probe: float) -> dict:
