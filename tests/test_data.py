@@ -253,3 +253,20 @@ def test_split_slicing(tmp_path, tokenizer):
     assert [i.answer for i in load_prompts(task(path, split="train[1:]"), tokenizer, 64)] == ["4", "3"]
     with pytest.raises(ConfigError, match="could not read dataset"):
         load_prompts(task(path, split="test"), tokenizer, 64)  # a local file has only "train"
+
+
+def test_chat_messages_column(tmp_path, tokenizer, caplog):
+    rows = [
+        {"messages": [{"role": "system", "content": "one"}, {"role": "user", "content": "what is two"}], "label": 2},
+        {"messages": [{"role": "user", "content": "what is one plus one"}], "label": 2},
+        {"messages": [], "label": 1},  # no turns: a bad row
+        {"messages": [{"role": "user"}], "label": 1},  # a turn without content: a bad row
+    ]
+    path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    cfg = TaskConfig(path=path, prompt_key="messages", answer_key="label", system_prompt="two")
+    with caplog.at_level("WARNING", logger="distflow"):
+        items = load_prompts(cfg, tokenizer, 64)
+    # an existing system turn is kept as is; otherwise task.system_prompt is prepended
+    assert [i.prompt_text for i in items] == ["[system] one [user] what is two [assistant]",
+                                             "[system] two [user] what is one plus one [assistant]"]
+    assert "skipped 2 of 4 rows" in caplog.text

@@ -17,6 +17,7 @@ import os
 import random
 import signal
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,6 +58,7 @@ class Rollouts:
     reward_stats: dict[str, float] = field(default_factory=lambda: dict.fromkeys(REWARD_FAILURES, 0.0))
     rounds: int = 0
     generated_groups: int = 0
+    scoring: Future | None = None  # rewards still being scored in the background
 
     def keep_groups(self, other: "Rollouts", keep: torch.Tensor, group_size: int) -> None:
         """Append the groups of `other` selected by the boolean mask `keep`."""
@@ -87,6 +89,7 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.rewards = RewardPool.from_task(cfg.task)  # workers start while the models load
+        self.scoring_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distflow-scoring")
         limit = cfg.rollout.max_prompt_tokens
         self.items = load_prompts(cfg.task, self.tokenizer, limit)
         self.heldout = load_prompts(cfg.task, self.tokenizer, limit, split="heldout") if self._wants_validation() else []
@@ -125,6 +128,8 @@ class Trainer:
             self.engine.sleep()
             with _timed(timing, "logprob"):
                 self.compute_logprobs(batch)
+            with _timed(timing, "reward"):
+                self.finish_scoring(batch)
             self.compute_advantages(batch)
             with _timed(timing, "update"):
                 update_stats = self.update(batch)
@@ -153,9 +158,15 @@ class Trainer:
         number of kept groups reaches the target or the round limit is hit."""
         a, per_rank = self.cfg.algorithm, self.cfg.data.prompts_per_rank
         target = per_rank * self.dist.world_size
+        if not a.dynamic_sampling:
+            with _timed(timing, "generate"):
+                batch = self.generate(per_rank)
+            # scored in the reward pool's processes while this one computes logprobs
+            batch.scoring = self.scoring_thread.submit(self.score, batch)
+            batch.rounds, batch.generated_groups = 1, len(batch.items)
+            return batch
         kept = Rollouts()
-        rounds = a.max_sampling_rounds if a.dynamic_sampling else 1
-        for _ in range(rounds):
+        for _ in range(a.max_sampling_rounds):
             with _timed(timing, "generate"):
                 part = self.generate(per_rank)
             with _timed(timing, "reward"):
@@ -164,8 +175,7 @@ class Trainer:
                 kept.reward_stats[k] += part.reward_stats[k]
             kept.rounds += 1
             kept.generated_groups += len(part.items)
-            keep = dynamic_sampling_keep(part.rewards) if a.dynamic_sampling else torch.ones(len(part.items), dtype=torch.bool)
-            kept.keep_groups(part, keep, a.group_size)
+            kept.keep_groups(part, dynamic_sampling_keep(part.rewards), a.group_size)
             if int(all_reduce(len(kept.items))) >= target:
                 break
         if kept.rewards is None:
@@ -180,6 +190,11 @@ class Trainer:
         seeds = [sample_seed(self.cfg.trainer.seed, pos["epoch"], pos["offset"], self.dist.rank, i) for i in idx]
         groups = self.engine.generate([it.prompt_ids for it in items], self.cfg.algorithm.group_size, seeds)
         return Rollouts(items, [s for g in groups for s in g])
+
+    def finish_scoring(self, batch: Rollouts) -> None:
+        if batch.scoring is not None:
+            batch.scoring.result()
+            batch.scoring = None
 
     def score(self, batch: Rollouts) -> None:
         batch.rewards, batch.reward_stats = score_groups(
@@ -377,6 +392,7 @@ class Trainer:
 
     def close(self) -> None:
         self.logger.close()
+        self.scoring_thread.shutdown(wait=True)
         self.rewards.close()
         self.engine.shutdown()
         shutdown()

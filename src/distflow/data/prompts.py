@@ -4,6 +4,7 @@ reasoning-gym task) and render each prompt with the chat template."""
 from __future__ import annotations
 
 import codecs
+import json
 import logging
 import math
 import os
@@ -63,17 +64,17 @@ def load_prompts(task: TaskConfig, tokenizer, max_prompt_tokens: int, split: str
     first_answer: dict[str, str] = {}
     repeats, conflicting = 0, 0
     for row in rows:
-        prompt = row.get(task.prompt_key)
-        if not isinstance(prompt, str) or not prompt.strip():
+        messages = _as_messages(row.get(task.prompt_key))
+        if messages is None:
             bad += 1
             continue
         answer = _answer_text(row.get(task.answer_key))
         if answer is None:
             no_answer += 1
             continue
-        messages = [{"role": "user", "content": prompt}]
-        if task.system_prompt:
+        if task.system_prompt and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": task.system_prompt})
+        prompt = json.dumps(messages)  # identity of the prompt, for the repeat count
         ids = _as_id_list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
         if len(ids) > max_prompt_tokens:
             too_long += 1
@@ -87,7 +88,7 @@ def load_prompts(task: TaskConfig, tokenizer, max_prompt_tokens: int, split: str
         items.append(PromptItem(ids, text, answer, row))
 
     if bad:
-        logger.warning("skipped %d of %d rows of %s whose %r is missing or not a non-empty string",
+        logger.warning("skipped %d of %d rows of %s whose %r is missing, empty, or neither a string nor chat messages",
                        bad, len(rows), source, task.prompt_key)
     if no_answer:
         logger.warning("skipped %d of %d rows of %s whose answer %r is missing, null or empty",
@@ -116,6 +117,19 @@ def _answer_text(answer) -> str | None:
         answer = int(answer)
     text = answer if isinstance(answer, str) else str(answer)
     return text if text.strip() else None
+
+
+def _as_messages(prompt) -> list[dict] | None:
+    """A prompt column holds either a non-empty string (one user turn) or a chat `messages`
+    list of {"role", "content"} dicts (used as given). Anything else is None (a bad row)."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}] if prompt.strip() else None
+    if (isinstance(prompt, list) and prompt
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in prompt)
+            and any(m["content"].strip() for m in prompt)):
+        return [{"role": m["role"], "content": m["content"]} for m in prompt]
+    return None
 
 
 def _task_rows(task: TaskConfig, split: str) -> tuple[list[dict], str]:
