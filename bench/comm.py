@@ -1,0 +1,134 @@
+"""Communication volume: bytes each rank sends per training step outside FSDP's own traffic, for
+world sizes 1, 2, 4 (and 8 when memory allows; oversubscribed, only bytes are counted), on the
+smoke experiment (recipes/experiment/smoke.yaml: tiny model, 2 prompts x 4 samples per rank).
+
+Runs `torchrun --standalone --nproc_per_node N bench/comm_entry.py experiment=smoke ...`, which
+installs bench/comm_hooks.py (counting wrappers around torch.distributed's collectives and the
+functional collectives) and then runs recipes/grpo.py unchanged. Reported per rank per step
+(the maximum over ranks of the median over steps):
+
+  distflow_bytes   torch.distributed collectives called from distflow's own code (its all_reduce /
+                   broadcast_object / barrier helpers); 0 at world size 1, where they return early
+  helper_bytes     the payload handed to those helpers, counted even at world size 1
+  fsdp_sync_bytes  FSDP2's all-gathers/reduce-scatters + DTensor gathers of the weight sync
+                   (and clip_grad_norm_'s scalar reduce), reported separately
+
+    .venv/bin/python bench/comm.py                 # world sizes 1,2,4 (+8 if memory allows)
+    .venv/bin/python bench/comm.py --world-sizes 1,2,4,8
+    .venv/bin/python bench/comm.py --smoke --results-dir /tmp/r
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import common as C
+
+TOLERANCE = 0.10
+GIB_PER_RANK = 2.5  # rough peak per rank of the smoke experiment (vLLM engine with 1 GiB KV cache + FSDP)
+
+
+def mem_available_gib() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    return 0.0
+
+
+def per_step(rank: dict, steps: list[int], pick) -> float:
+    return statistics.median(pick(rank["phases"].get(f"step {s}", {"collectives": {}, "helpers": {}})) for s in steps)
+
+
+def distflow_bytes(p):
+    return sum(b for _, b in p["collectives"].get("distflow", {}).values())
+
+
+def distflow_calls(p):
+    return sum(c for c, _ in p["collectives"].get("distflow", {}).values())
+
+
+def helper_bytes(p):
+    return sum(b for _, b in p["helpers"].values())
+
+
+def helper_calls(p):
+    return sum(c for c, _ in p["helpers"].values())
+
+
+def fsdp_sync_bytes(p):
+    return sum(b for cat in ("fsdp", "dtensor") for _, b in p["collectives"].get(cat, {}).values())
+
+
+def other_bytes(p):
+    return sum(b for cat in ("vllm", "other") for _, b in p["collectives"].get(cat, {}).values())
+
+
+def flat(values: list[float]) -> bool:
+    ref = values[0]
+    return ref > 0 and all(abs(v / ref - 1) <= TOLERANCE for v in values)
+
+
+def main() -> None:
+    p = C.parser(__doc__.split("\n")[0])
+    p.add_argument("--world-sizes", default=None, help="comma list (default 1,2,4 plus 8 if memory allows; --smoke: 1,2)")
+    p.add_argument("--steps", type=int, default=None, help="training steps per run (default 3; --smoke: 2)")
+    args = p.parse_args()
+    if args.world_sizes:
+        sizes = [int(w) for w in args.world_sizes.split(",")]
+    elif args.smoke:
+        sizes = [1, 2]
+    else:
+        sizes = [1, 2, 4]
+        if mem_available_gib() >= 8 * GIB_PER_RANK:
+            sizes.append(8)
+        else:
+            print(f"[comm] skipping world size 8: {mem_available_gib():.1f} GiB available < {8 * GIB_PER_RANK} GiB")
+    steps = args.steps or (2 if args.smoke else 3)
+    wd = C.work_dir(args, "comm")
+    results = {}
+    for model in C.models(args)[:1]:  # the smoke experiment's model (tiny); bytes do not depend on the model
+        records, rows = [], []
+        for w in sizes:
+            out, run_dir = wd / f"{model}-w{w}", wd / f"run-{model}-w{w}"
+            C.fresh(out, run_dir)
+            print(f"[comm] world size {w}", flush=True)
+            overrides = ["experiment=smoke", f"model={model}", f"trainer.steps={steps}",
+                         f"trainer.output_dir={run_dir}", "trainer.resume=never",
+                         "trainer.plot_at_end=false", "trainer.progress_bar=false"]
+            C.torchrun(C.BENCH / "comm_entry.py", overrides, w, wd / f"{model}-w{w}.log",
+                       extra_env={"DISTFLOW_COMM_OUT": str(out)})
+            ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(w)]
+            step_ids = list(range(1, ranks[0]["steps"] + 1))
+            rec = {"world_size": w, "steps": len(step_ids)}
+            for key, fn in (("distflow_bytes", distflow_bytes), ("distflow_calls", distflow_calls),
+                            ("helper_bytes", helper_bytes), ("helper_calls", helper_calls),
+                            ("fsdp_sync_bytes", fsdp_sync_bytes), ("vllm_other_bytes", other_bytes)):
+                rec[f"{key}_per_rank_per_step"] = max(per_step(r, step_ids, fn) for r in ranks)
+            rec["rank0_phases"] = ranks[0]["phases"]
+            records.append(rec)
+            rows.append([w, rec["distflow_bytes_per_rank_per_step"], rec["distflow_calls_per_rank_per_step"],
+                         rec["helper_bytes_per_rank_per_step"], rec["fsdp_sync_bytes_per_rank_per_step"]])
+        print(C.table(["world", "distflow B/rank/step", "calls/step", "helper payload B", "fsdp+sync B"], rows))
+        multi = [r["distflow_bytes_per_rank_per_step"] for r in records if r["world_size"] > 1]
+        helper = [r["helper_bytes_per_rank_per_step"] for r in records]
+        results[model] = {
+            "bytes_per_rank_per_step": {str(r["world_size"]): r["distflow_bytes_per_rank_per_step"] for r in records},
+            "helper_payload_bytes_per_rank_per_step": {str(r["world_size"]): r["helper_bytes_per_rank_per_step"]
+                                                       for r in records},
+            "fsdp_sync_bytes_per_rank_per_step": {str(r["world_size"]): r["fsdp_sync_bytes_per_rank_per_step"]
+                                                  for r in records},
+            # flat: the helpers' payload is within +-10% of world size 1's at every size, and the
+            # bytes actually sent (0 at world size 1, where nothing is sent) are within +-10% across sizes > 1
+            "flat": flat(helper) and (not multi or flat(multi)),
+            "records": records,
+        }
+    model = next(iter(results))
+    C.write_json(args.results_dir, "comm", {"bench": "comm", "smoke": args.smoke, "machine": C.machine(),
+                                            "experiment": "smoke", "model": model, "tolerance": TOLERANCE,
+                                            "world_sizes": sizes, **results[model]})
+
+
+if __name__ == "__main__":
+    main()

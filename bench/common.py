@@ -1,0 +1,192 @@
+"""Shared helpers for the benchmark scripts: flags, launching torchrun, reading metrics, tables, JSON.
+
+Every bench is one command (`.venv/bin/python bench/<name>.py [--smoke] [--results-dir DIR]`),
+prints a table and writes `<results-dir>/<name>.json` (default bench/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = Path(__file__).resolve().parent
+DEFAULT_RESULTS = BENCH / "results"
+GRPO = ROOT / "recipes" / "grpo.py"
+ARITH = ROOT / "recipes" / "data" / "arith.jsonl"
+SYSTEM_PROMPT = "Answer with the final number after 'The answer is'."  # recipes/task/arith_jsonl.yaml
+MODELS = ("tiny", "smollm2_135m")
+CORES = os.cpu_count() or 1
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--smoke", action="store_true", help="tiny, fast configuration (used by the tests)")
+    p.add_argument("--results-dir", default=str(DEFAULT_RESULTS), help="where <name>.json is written")
+    p.add_argument("--work-dir", default=None, help="run folders and logs (default: a folder under /tmp)")
+    p.add_argument("--models", default=None,
+                   help="comma list of tiny,smollm2_135m (default: tiny plus smollm2_135m when it is "
+                        "available; --smoke: tiny)")
+    return p
+
+
+def smollm2_available() -> bool:
+    try:
+        resolve_model("smollm2_135m")
+        return True
+    except Exception as e:  # noqa: BLE001 - not installed / not convertible: fall back to tiny
+        print(f"smollm2_135m unavailable ({type(e).__name__}: {e}); tiny only")
+        return False
+
+
+def models(args) -> list[str]:
+    if args.models:
+        names = [m.strip() for m in args.models.split(",") if m.strip()]
+        bad = [m for m in names if m not in MODELS]
+        if bad:
+            raise SystemExit(f"unknown model(s) {bad}; choose from {MODELS}")
+        return names
+    return ["tiny"] + ([] if args.smoke or not smollm2_available() else ["smollm2_135m"])
+
+
+def work_dir(args, name: str) -> Path:
+    d = Path(args.work_dir) if args.work_dir else Path("/tmp") / f"distflow-bench-{os.getuid()}" / name
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def fresh(*paths: Path) -> None:
+    """Remove leftovers of an earlier run: metrics.jsonl is appended to, so a reused output folder
+    would mix runs."""
+    for path in paths:
+        path = Path(path)
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bench_env(nproc: int, extra: dict | None = None) -> dict:
+    """Offline, one equal share of the cores per process (the same for every framework)."""
+    threads = max(1, CORES // nproc)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), WANDB_MODE="disabled")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT / "src"), str(BENCH), os.environ.get("PYTHONPATH", "")] if p)
+    env.update(extra or {})
+    return env
+
+
+def torchrun(script: Path | str, args: list[str], nproc: int, log: Path, timeout: float = 1800,
+             extra_env: dict | None = None) -> float:
+    """`torchrun --standalone --nproc_per_node N script args` (gloo on CPU); output to `log`.
+    Returns the wall time; raises with the log tail on failure."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(script), *args]
+    return run(cmd, log, timeout, bench_env(nproc, extra_env))
+
+
+def run(cmd: list[str], log: Path, timeout: float, env: dict | None = None) -> float:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        f.write(" ".join(map(str, cmd)) + "\n")
+        f.flush()
+        proc = subprocess.run(cmd, cwd=ROOT, env=env or bench_env(1), stdout=f, stderr=subprocess.STDOUT,
+                              timeout=timeout)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        tail = "".join(open(log, errors="replace").readlines()[-40:])
+        raise RuntimeError(f"command failed (rc={proc.returncode}): {' '.join(map(str, cmd))}\n--- {log} ---\n{tail}")
+    return wall
+
+
+def distflow_overrides(model: str, out_dir: Path, steps: int, prompts_per_rank: int, group_size: int,
+                       max_new_tokens: int, lr: float, engine: str = "vllm", extra: list[str] | None = None) -> list[str]:
+    """recipes/grpo.py overrides for a benchmark run: one optimizer step per rollout, one forward
+    per rank (micro batch = the rank's whole batch, as TRL does), beta = 0, fresh output folder."""
+    return [
+        f"model={model}", "task=arith_jsonl", f"rollout={engine}",
+        f"trainer.steps={steps}", f"trainer.output_dir={out_dir}", "trainer.resume=never",
+        "trainer.plot_at_end=false", "trainer.progress_bar=false", "trainer.checkpoint_every=0",
+        f"data.prompts_per_rank={prompts_per_rank}", f"algorithm.group_size={group_size}",
+        "algorithm.kl_coef=0.0", f"rollout.max_new_tokens={max_new_tokens}", "rollout.max_prompt_tokens=128",
+        f"optim.lr={lr}", f"optim.micro_batch_size={prompts_per_rank * group_size}", "optim.mini_batches=1",
+        *(extra or []),
+    ]
+
+
+def read_metrics(out_dir: Path) -> list[dict]:
+    with open(Path(out_dir) / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def step_tokens(m: dict) -> float:
+    """prompt+response tokens of all ranks in a distflow step (throughput × step time)."""
+    return m["throughput/tokens_per_s"] * m["timing/step_s"]
+
+
+def stats(values: list[float]) -> dict:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def resolve_model(name: str) -> str:
+    sys.path.insert(0, str(ROOT / "src"))
+    from distflow.models.tiny import resolve_model_path
+
+    return resolve_model_path(name)
+
+
+def count_params(model_path: str) -> int:
+    """Unique parameters (a tied head counted once), from the config, without loading weights."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+def machine() -> dict:
+    import torch
+
+    return {"cpu_count": CORES, "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "torch": torch.__version__, "python": platform.python_version()}
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+        return str(v)
+
+    cells = [[fmt(v) for v in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    line = lambda r: "  ".join(v.rjust(w) for v, w in zip(r, widths))  # noqa: E731
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, cells)])
+
+
+def write_json(results_dir: str, name: str, obj: dict) -> Path:
+    d = Path(results_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"{name}.json"
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=False)
+        f.write("\n")
+    print(f"wrote {path}")
+    return path

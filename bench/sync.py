@@ -1,0 +1,124 @@
+"""Weight resync cost: distflow's FSDP2 -> engine resync (Trainer.sync_weights: full_parameters()
+streamed into engine.load_weights) for the real vLLM engine on CPU and the HF engine, vs a plain
+torch copy of a flat fp32 buffer of the same size on this machine. ratio = resync / copy (medians).
+
+Each configuration runs under `torchrun --standalone --nproc_per_node N` with the same start-up
+order as the trainer (process group, engine, FSDP2 policy). Also reported: `gather_s`, the time to
+just materialise the stream (DTensor.full_tensor + dtype cast) without loading it into an engine.
+
+    .venv/bin/python bench/sync.py                       # tiny + smollm2_135m, vllm + hf, 1 and 2 processes
+    .venv/bin/python bench/sync.py --models smollm2_135m --nprocs 1 --iters 20
+    .venv/bin/python bench/sync.py --smoke --results-dir /tmp/r
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+GOAL = 1.5
+
+
+def worker(a) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from distflow.config import DistflowConfig
+    from distflow.distributed import all_reduce, barrier, init_distributed, shutdown
+    from distflow.models.tiny import resolve_model_path
+    from distflow.policy import Policy
+    from distflow.rollout import build_engine
+    from distflow.rollout.weight_sync import full_parameters
+
+    cfg = DistflowConfig()
+    cfg.model.path, cfg.rollout.engine = a.model, a.engine
+    cfg.rollout.max_new_tokens, cfg.rollout.max_prompt_tokens = 32, 128
+    info = init_distributed("gloo", "cpu")
+    path = resolve_model_path(a.model)
+    engine = build_engine(path, cfg.model, cfg.rollout, info.device, 0)  # trainer's order: engine, then policy
+    policy = Policy(path, cfg.model, cfg.optim, info.device, info.world_size)
+    dtype, bucket = getattr(torch, cfg.model.dtype), cfg.rollout.sync_bucket_mib << 20
+
+    def timed(fn) -> list[float]:
+        out = []
+        for i in range(a.iters + 1):  # first call is a warm-up
+            barrier()
+            t0 = time.perf_counter()
+            fn()
+            dt = float(all_reduce(time.perf_counter() - t0, "max"))  # slowest rank, like timing/sync_s
+            if i:
+                out.append(dt)
+        return out
+
+    sync_s = timed(lambda: engine.load_weights(full_parameters(policy.model, dtype, bucket)))
+    gather_s = timed(lambda: [None for _ in full_parameters(policy.model, dtype, bucket)])
+    numel = sum(p.numel() for p in policy.model.parameters())  # unique (a tied head once), full sizes
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    src, dst = torch.randn(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
+    copy_s = timed(lambda: dst.copy_(src))
+    if info.rank == 0:
+        with open(a.out, "w") as f:
+            json.dump({"sync_s": sync_s, "gather_s": gather_s, "copy_s": copy_s, "numel": numel, "bytes": nbytes,
+                       "world_size": info.world_size, "torch_threads": torch.get_num_threads(),
+                       "bucket_mib": cfg.rollout.sync_bucket_mib}, f)
+    del policy
+    if dist.is_initialized():
+        barrier()
+    engine.shutdown()
+    shutdown()
+
+
+def main() -> None:
+    import common as C
+
+    p = C.parser(__doc__.split("\n")[0])
+    p.add_argument("--engines", default="vllm,hf")
+    p.add_argument("--nprocs", default=None, help="comma list (default 1,2; --smoke: 1)")
+    p.add_argument("--iters", type=int, default=None, help="timed resyncs per configuration (default 10; --smoke: 2)")
+    args = p.parse_args()
+    nprocs = [int(n) for n in (args.nprocs or ("1" if args.smoke else "1,2")).split(",")]
+    iters = args.iters or (2 if args.smoke else 10)
+    wd = C.work_dir(args, "sync")
+    records, rows = [], []
+    for model in C.models(args):
+        for engine in args.engines.split(","):
+            for nproc in nprocs:
+                out = wd / f"{model}-{engine}-n{nproc}.json"
+                C.fresh(out)
+                print(f"[sync] {model} engine={engine} nproc={nproc}", flush=True)
+                C.torchrun(__file__, ["--worker", "--model", model, "--engine", engine, "--iters", str(iters),
+                                      "--out", str(out)], nproc, wd / f"{model}-{engine}-n{nproc}.log")
+                r = json.loads(out.read_text())
+                sync, gather, copy = (statistics.median(r[k]) for k in ("sync_s", "gather_s", "copy_s"))
+                ratios = [s / copy for s in r["sync_s"]]
+                rec = {"model": model, "engine": engine, "processes": nproc, "bytes": r["bytes"],
+                       "sync_s_median": sync, "gather_s_median": gather, "copy_s_median": copy,
+                       "ratio_median": sync / copy, "ratio_min": min(ratios), "ratio_max": max(ratios),
+                       "copy_gb_per_s": r["bytes"] / copy / 1e9, "iters": iters, "raw": r}
+                records.append(rec)
+                rows.append([model, engine, nproc, r["bytes"] / 2**20, sync * 1e3, gather * 1e3, copy * 1e3,
+                             rec["ratio_median"], GOAL])
+    print(C.table(["model", "engine", "procs", "MiB", "resync ms", "gather ms", "copy ms", "ratio", "goal"], rows))
+    # Headline: the vLLM engine (the default) on the largest model measured, 1 process (no all-gather).
+    head = [r for r in records if r["engine"] == "vllm" and r["processes"] == min(nprocs)] or records
+    head = max(head, key=lambda r: r["bytes"])
+    C.write_json(args.results_dir, "sync", {
+        "bench": "sync", "smoke": args.smoke, "machine": C.machine(), "goal_ratio": GOAL,
+        "ratio_median": head["ratio_median"],
+        "headline": {k: head[k] for k in ("model", "engine", "processes")},
+        "meets_goal": head["ratio_median"] <= GOAL, "records": records})
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        ap = argparse.ArgumentParser()
+        for flag in ("--model", "--engine", "--out"):
+            ap.add_argument(flag, required=True)
+        ap.add_argument("--iters", type=int, default=5)
+        ap.add_argument("--worker", action="store_true")
+        worker(ap.parse_args())
+    else:
+        main()

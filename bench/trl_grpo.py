@@ -1,0 +1,101 @@
+"""TRL's GRPOTrainer on CPU, configured like a distflow benchmark run; launched by bench/vs_trl.py as
+`torchrun --standalone --nproc_per_node N bench/trl_grpo.py ...` (gloo; `accelerate launch --cpu
+--num_processes 2` silently runs one process on this machine).
+
+Same prompts (recipes/data/arith.jsonl with the arith task's system prompt, chat-templated by TRL),
+same numeric reward as distflow, one generation and one optimizer step per training step
+(gradient_accumulation_steps=1, so generation_batch_size = global batch), beta = 0 (no reference
+model), plain transformers `generate` (use_vllm=False).
+
+Rank 0 writes --out: per-step wall times (slowest rank, like distflow's timing/step_s) and the
+running `num_tokens` TRL logs (prompt+completion tokens of all processes); per-step tokens are
+differences of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from datasets import Dataset
+from transformers import AutoTokenizer, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from distflow.rewards.numeric import numeric_match
+
+
+def numeric_reward(prompts, completions, answer, **_):
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [numeric_match(t, str(a)) for t, a in zip(texts, answer)]
+
+
+class StepTimer(TrainerCallback):
+    def __init__(self):
+        self.begin = 0.0
+        self.steps: list[dict] = []
+
+    def on_step_begin(self, args, state, control, **kw):
+        self.begin = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kw):
+        self.steps.append({"step": state.global_step, "step_s": time.perf_counter() - self.begin,
+                           "num_tokens": float(state.num_input_tokens_seen)})
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--system-prompt", default="")
+    p.add_argument("--num-generations", type=int, required=True)
+    p.add_argument("--prompts-per-step", type=int, required=True, help="global prompts per optimizer step")
+    p.add_argument("--max-completion-length", type=int, required=True)
+    p.add_argument("--lr", type=float, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    global_batch = a.prompts_per_step * a.num_generations
+    assert global_batch % world == 0, "global batch must split over the processes"
+    rows = [json.loads(line) for line in open(a.data) if line.strip()]
+    system = [{"role": "system", "content": a.system_prompt}] if a.system_prompt else []
+    dataset = Dataset.from_list([{"prompt": system + [{"role": "user", "content": r["prompt"]}],
+                                  "answer": str(r["answer"])} for r in rows])
+    config = GRPOConfig(
+        output_dir=a.output_dir, use_cpu=True, bf16=False, fp16=False, use_vllm=False,
+        num_generations=a.num_generations, per_device_train_batch_size=global_batch // world,
+        gradient_accumulation_steps=1, beta=0.0, max_completion_length=a.max_completion_length,
+        temperature=1.0, top_p=1.0, learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=0.0, max_grad_norm=1.0, max_steps=a.steps, logging_steps=1, report_to=[],
+        save_strategy="no", seed=a.seed, disable_tqdm=True, dataloader_num_workers=0,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(a.model_path)
+    timer = StepTimer()
+    trainer = GRPOTrainer(model=a.model_path, reward_funcs=numeric_reward, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[timer])
+    trainer.train()
+
+    steps = timer.steps
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, steps)
+        steps = [dict(s, step_s=max(r[i]["step_s"] for r in everyone)) for i, s in enumerate(steps)]
+    if int(os.environ.get("RANK", "0")) == 0:
+        prev = 0.0
+        for s in steps:
+            s["tokens"], prev = s["num_tokens"] - prev, s["num_tokens"]
+        with open(a.out, "w") as f:
+            json.dump({"world_size": world, "torch_threads": torch.get_num_threads(),
+                       "config": {k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str, bool, type(None)))},
+                       "steps": steps}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Each benchmark's --smoke mode runs end to end and writes the documented JSON keys.
+
+Results go to a temporary folder (--results-dir), never bench/results. No wall-clock time or
+ratio is asserted: these only keep the benchmark scripts from rotting.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow
+
+
+def run_bench(name: str, tmp_path: Path, *extra: str) -> dict:
+    results, work = tmp_path / "results", tmp_path / "work"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / f"{name}.py"), "--smoke", "--results-dir", str(results),
+                           "--work-dir", str(work), *extra],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"bench/{name}.py --smoke failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    path = results / f"{name}.json"
+    assert path.is_file(), proc.stdout[-2000:]
+    return json.loads(path.read_text())
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and x > 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl not installed (pip install 'trl==1.16.*')")
+def test_vs_trl_smoke(tmp_path):
+    out = run_bench("vs_trl", tmp_path)
+    assert out["records"]
+    for rec in out["records"]:
+        for key in ("model", "processes", "distflow_tokens_per_s", "trl_tokens_per_s", "ratio_median", "ratio_min",
+                    "ratio_max", "config"):
+            assert key in rec, key
+        assert _positive(rec["distflow_tokens_per_s"]) and _positive(rec["trl_tokens_per_s"])
+        assert rec["ratio_min"] <= rec["ratio_median"] <= rec["ratio_max"]
+        for key in ("distflow_command", "trl_command", "trl_grpo_config", "group_size", "prompts_per_step",
+                    "max_new_tokens", "lr"):
+            assert key in rec["config"], key
+        assert rec["config"]["trl_grpo_config"]["beta"] == 0.0
+
+
+def test_sync_smoke(tmp_path):
+    out = run_bench("sync", tmp_path)
+    assert _positive(out["ratio_median"])
+    assert {r["engine"] for r in out["records"]} == {"vllm", "hf"}
+    for rec in out["records"]:
+        for key in ("sync_s_median", "copy_s_median", "ratio_median", "bytes"):
+            assert _positive(rec[key]), key
+
+
+def test_comm_smoke(tmp_path):
+    out = run_bench("comm", tmp_path)
+    per_step = out["bytes_per_rank_per_step"]
+    assert set(per_step) == {"1", "2"}
+    assert per_step["1"] == 0  # world size 1 calls no collective
+    assert per_step["2"] > 0
+    assert out["helper_payload_bytes_per_rank_per_step"]["1"] > 0
+    assert "fsdp_sync_bytes_per_rank_per_step" in out
+    assert isinstance(out["flat"], bool)
+
+
+def test_flops_smoke(tmp_path):
+    out = run_bench("flops", tmp_path)
+    assert _positive(out["train_flops_fraction_of_peak"])
+    rec = out["records"][0]
+    for key in ("params", "train_flops_per_s", "matmul_peak_flops_per_s", "trained_tokens_per_step", "update_s_per_step"):
+        assert _positive(rec[key]), key
+
+
+def test_engines_smoke(tmp_path):
+    out = run_bench("engines", tmp_path)
+    rec = out["records"][0]
+    assert rec["model"] == "tiny"
+    for key in ("vllm_tokens_per_s", "hf_tokens_per_s", "ratio_median"):
+        assert _positive(rec[key]), key
+    assert set(rec["batch_shape"]) >= {"prompts_per_rank", "group_size", "max_new_tokens"}
