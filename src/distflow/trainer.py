@@ -85,7 +85,7 @@ class Trainer:
         random.seed(t.seed)
         np.random.seed(t.seed)
         torch.manual_seed(t.seed)
-        self.model_path = resolve_model_path(cfg.model.path)
+        self.model_path = resolve_on_local_rank0_first(cfg.model.path, self.dist.local_rank)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.rewards = RewardPool.from_task(cfg.task)  # workers start while the models load
@@ -396,6 +396,15 @@ class Trainer:
         self.rewards.close()
         self.engine.shutdown()
         shutdown()
+
+
+def resolve_on_local_rank0_first(path: str, local_rank: int) -> str:
+    """Built-in models are built or converted once per node: local rank 0 does it while the
+    others wait at a barrier, then they only find the finished folder."""
+    if local_rank == 0:
+        resolved = resolve_model_path(path)
+    barrier()
+    return resolved if local_rank == 0 else resolve_model_path(path)
 
 
 def check_same_config(cfg: DistflowConfig, output_dir: str, is_main: bool) -> None:
