@@ -169,6 +169,28 @@ def machine() -> dict:
             "torch": torch.__version__, "python": platform.python_version()}
 
 
+def loadavg() -> float:
+    """1-minute load average: other users' jobs on a shared machine show up here."""
+    return os.getloadavg()[0]
+
+
+def previous_records(results_dir: str, name: str, smoke: bool) -> list[dict]:
+    path = Path(results_dir) / f"{name}.json"
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    return old.get("records", []) if old.get("smoke") == smoke else []
+
+
+def merge_records(previous: list[dict], new: list[dict], keys=("model", "processes")) -> list[dict]:
+    """`new` plus the `previous` records whose keys were not measured again."""
+    seen = {tuple(r[k] for k in keys) for r in new}
+    merged = [r for r in previous if tuple(r.get(k) for k in keys) not in seen] + new
+    order = {m: i for i, m in enumerate(MODELS)}
+    return sorted(merged, key=lambda r: (order.get(r["model"], 99), r["processes"]))
+
+
 def table(headers: list[str], rows: list[list]) -> str:
     def fmt(v):
         if isinstance(v, float):

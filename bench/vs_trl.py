@@ -68,6 +68,7 @@ def main() -> None:
     nprocs = [int(n) for n in (args.nprocs or ("2" if args.smoke else "1,2")).split(",")]
     wd = C.work_dir(args, "vs_trl")
 
+    previous = C.previous_records(args.results_dir, "vs_trl", args.smoke)
     records, rows = [], []
     for model in models:
         s = dict(SETTINGS[model])
@@ -84,8 +85,10 @@ def main() -> None:
                 res = {}
                 for who in order:
                     print(f"[vs_trl] {model} nproc={nproc} repeat {r + 1}/{repeats}: {who}", flush=True)
+                    load = C.loadavg()
                     res[who] = (run_distflow(model, nproc, measured + 1, s, wd, tag) if who == "distflow"
                                 else run_trl(path, nproc, measured + 1, s, wd, tag))
+                    res[who]["loadavg_1m"] = [load, C.loadavg()]  # machine load (others' jobs) before / after
                 res["ratio"] = res["distflow"]["tokens_per_s"] / res["trl"]["tokens_per_s"]
                 res["order"] = order
                 reps.append(res)
@@ -107,14 +110,15 @@ def main() -> None:
                            "trl_grpo_config": reps[0]["trl"]["trl_config"]},
                 "runs": [{"order": x["order"], "ratio": x["ratio"],
                           **{f"{w}_{k}": x[w][k] for w in ("distflow", "trl")
-                             for k in ("tokens_per_s", "step_s", "tokens", "launch_wall_s")}} for x in reps],
+                             for k in ("tokens_per_s", "step_s", "tokens", "launch_wall_s", "loadavg_1m")}} for x in reps],
             }
             records.append(rec)
             rows.append([model, nproc, d_step, t_step, d_tps, t_tps, rec["ratio_min"], rec["ratio_median"],
                          rec["ratio_max"], GOALS[model]])
-            # written after every configuration, so a long run that fails later keeps what it measured
+            # written after every configuration, so a long run that fails later keeps what it measured;
+            # records of other (model, processes) pairs already in the file are kept
             C.write_json(args.results_dir, "vs_trl", {"bench": "vs_trl", "smoke": args.smoke, "machine": C.machine(),
-                                                      "records": records})
+                                                      "records": C.merge_records(previous, records)})
     print(C.table(["model", "procs", "df step_s", "trl step_s", "df tok/s", "trl tok/s", "ratio min", "ratio med",
                    "ratio max", "goal"], rows))
 
