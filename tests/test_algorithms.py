@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 
+from distflow.config import AlgorithmConfig
 from distflow.algorithms import (
     aggregate_denominator,
     aggregate_numerator,
-    clipped_surrogate,
+    ppo_clip_loss,
     group_normalized_advantages,
 )
 
@@ -56,12 +57,16 @@ def ref_clipped(lp, old, adv, lo, hi):
     return loss
 
 
-def test_clipped_surrogate_matches_reference_and_gradient():
+def _clip_cfg(low, high):
+    return AlgorithmConfig(clip_eps_low=low, clip_eps_high=high)
+
+
+def test_ppo_clip_matches_reference_and_gradient():
     g = torch.Generator().manual_seed(0)
     lp = (torch.randn(3, 5, generator=g) * 0.3).requires_grad_()
     old = torch.randn(3, 5, generator=g) * 0.3
     adv = torch.tensor([1.0, -2.0, 0.5])
-    loss, info = clipped_surrogate(lp, old, adv, 0.2, 0.28)
+    loss, info = ppo_clip_loss(lp, old, adv, torch.ones(3, 5), _clip_cfg(0.2, 0.28))
     np.testing.assert_allclose(loss.detach().numpy(), ref_clipped(lp.detach().numpy(), old.numpy(), adv.numpy(), 0.2, 0.28), rtol=1e-6)
     # gradient: -A * r where the unclipped term is active, 0 where the clip binds
     loss.sum().backward()
@@ -75,7 +80,7 @@ def test_clipped_surrogate_matches_reference_and_gradient():
 
 def test_ratio_one_gives_minus_advantage():
     lp = torch.zeros(2, 3)
-    loss, _ = clipped_surrogate(lp, lp, torch.tensor([2.0, -1.0]), 0.2, 0.2)
+    loss, _ = ppo_clip_loss(lp, lp, torch.tensor([2.0, -1.0]), torch.ones(2, 3), _clip_cfg(0.2, 0.2))
     assert torch.equal(loss, torch.tensor([[-2.0] * 3, [1.0] * 3]))
 
 

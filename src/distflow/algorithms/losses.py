@@ -120,31 +120,6 @@ def tis_weights(old_logp: torch.Tensor, engine_logp: torch.Tensor, cap: float,
     return w if mask is None else torch.where(mask.bool(), w, torch.ones_like(w))
 
 
-def clipped_surrogate(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    eps_low: float,
-    eps_high: float,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped objective per token: -min(r A, clip(r, 1-eps_low, 1+eps_high) A).
-
-    logprobs/old_logprobs: [B, T]; advantages: [B] (one per sequence) or [B, T].
-    Returns the per-token loss and boolean masks of where the clip was active (low/high).
-    """
-    adv = advantages if advantages.dim() == 2 else advantages[:, None]
-    ratio = torch.exp(logprobs - old_logprobs)
-    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    loss = -torch.minimum(ratio * adv, clipped * adv)
-    with torch.no_grad():
-        info = {
-            "clip_low": (ratio < 1.0 - eps_low) & (adv < 0),
-            "clip_high": (ratio > 1.0 + eps_high) & (adv > 0),
-            "ratio": ratio.detach(),
-        }
-    return loss, info
-
-
 def aggregate_numerator(token_loss: torch.Tensor, mask: torch.Tensor, mode: str, max_tokens: int) -> torch.Tensor:
     """This shard's share of the aggregated loss, before division by `aggregate_denominator`."""
     mask = mask.to(token_loss.dtype)
