@@ -9,6 +9,7 @@ from launch_helpers import ROOT, read_metrics, torchrun
 ALGORITHMS = sorted(p.stem for p in (ROOT / "recipes" / "algorithm").glob("*.yaml"))
 SPECIFIC = {
     "dapo": ["dynamic_sampling/kept_groups", "dynamic_sampling/rounds"],
+    "ppo": ["value/loss", "value/clip_fraction", "value/mean", "critic/grad_norm"],
 }
 
 

@@ -76,7 +76,7 @@ def _save_two(rank, world, model_dir, out):
     policy = Policy(model_dir, cfg.model, cfg.optim, torch.device("cpu"), world)
     ck = Checkpointer(out, keep_last=5, rank=rank)
     for step in (1, 2, 3):
-        ck.save(step, ModelOptimState(policy.model, policy.optimizer), {"rank": rank}, {"model_path": model_dir})
+        ck.save(step, {"app": ModelOptimState(policy.model, policy.optimizer)}, {"rank": rank}, {"model_path": model_dir})
 
 
 def test_torn_checkpoints_are_skipped_with_a_warning(tiny_model_dir, tmp_path, caplog):
@@ -105,7 +105,7 @@ def _save_perturbed(rank, world, model_dir, ckpt_root, out):
         for p in policy.model.parameters():
             p.to_local().mul_(1.01)
     Checkpointer(ckpt_root, keep_last=1, rank=rank).save(
-        5, ModelOptimState(policy.model, policy.optimizer), {}, {"model_path": model_dir})
+        5, {"app": ModelOptimState(policy.model, policy.optimizer)}, {}, {"model_path": model_dir})
     with torch.no_grad():
         live = policy.model(input_ids=torch.tensor(IDS)).logits
     if rank == 0:

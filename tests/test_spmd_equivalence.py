@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from dist_helpers import run_distributed
 from launch_helpers import ROOT
 from test_fsdp_equivalence import fixed_batch
-from distflow.algorithms import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES
+from distflow.algorithms import ADVANTAGE_ESTIMATORS, CRITIC_ESTIMATORS, LOSS_AGG_MODES
 from distflow.config import AlgorithmConfig, DistflowConfig
 from distflow.distributed import all_reduce
 from distflow.policy import Policy, TokenBatch
@@ -24,7 +24,9 @@ ALGORITHMS = sorted((ROOT / "recipes" / "algorithm").glob("*.yaml"))
 
 
 def _algorithm(path) -> AlgorithmConfig:
-    a = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(AlgorithmConfig), OmegaConf.load(path)))
+    node = OmegaConf.load(path)
+    node = node.algorithm if "algorithm" in node else node  # a `_global_` package (ppo also sets critic)
+    a = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(AlgorithmConfig), node))
     a.group_size, a.kl_coef, a.entropy_coef, a.tis_cap = GROUP, 0.05, 0.01, 2.0
     a.dual_clip_c = 3.0 if a.policy_loss == "ppo_clip" else None
     return a
@@ -34,6 +36,16 @@ def _algorithm(path) -> AlgorithmConfig:
 def _near_current(policy, samples, noise, scale):
     lp = policy.logprobs(TokenBatch.from_samples(samples, 0, torch.device("cpu")))
     return [lp[i, : len(s.response_ids)] + scale * noise[i] for i, s in enumerate(samples)]
+
+
+def _advantages(a: AlgorithmConfig, rewards, local, noise):
+    global_sum = lambda v: all_reduce(v).tolist()  # noqa: E731
+    if a.advantage in CRITIC_ESTIMATORS:  # token-level; fixed stand-in values (the critic has its own test)
+        width = max(len(s.response_ids) for s in local)
+        mask = torch.stack([torch.arange(width) < len(s.response_ids) for s in local]).float()
+        values = torch.stack([torch.nn.functional.pad(n, (0, width - len(n))) for n in noise]) * mask
+        return CRITIC_ESTIMATORS[a.advantage](rewards, values, mask, a, global_sum)[0]
+    return ADVANTAGE_ESTIMATORS[a.advantage](rewards.view(-1, GROUP), a, global_sum).reshape(-1)
 
 
 def _worker(rank, world, model_dir, out_path):
@@ -53,10 +65,10 @@ def _worker(rank, world, model_dir, out_path):
     results = {}
     for path in ALGORITHMS:
         cfg.algorithm = _algorithm(path)
-        adv_fn = ADVANTAGE_ESTIMATORS[cfg.algorithm.advantage]
-        adv = adv_fn(rewards[lo // GROUP : hi // GROUP], cfg.algorithm, lambda v: all_reduce(v).tolist()).reshape(-1)
+        adv = _advantages(cfg.algorithm, rewards.reshape(-1)[lo:hi], local, noise[lo:hi])
         gathered = [None] * world
-        dist.all_gather_object(gathered, adv.tolist())
+        dist.all_gather_object(gathered, [a[: len(s.response_ids)].tolist() if adv.dim() == 2 else a.item()
+                                          for a, s in zip(adv, local)])
         for mode in LOSS_AGG_MODES:
             cfg.algorithm.loss_agg_mode = mode
             stats = backward_policy_loss(policy, local, adv, old, cfg, pad_id=0, ref_logprobs=ref)
@@ -75,7 +87,8 @@ def test_every_algorithm_and_mode_is_sharding_invariant(tiny_model_dir, tmp_path
     assert len(one) == len(ALGORITHMS) * len(LOSS_AGG_MODES) and one.keys() == two.keys()
     for key in one:
         (a1, l1, g1), (a2, l2, g2) = one[key], two[key]
-        torch.testing.assert_close(torch.tensor(a1), torch.tensor(a2), rtol=1e-5, atol=1e-6, msg=str(key))
+        for x1, x2 in zip(a1, a2):
+            torch.testing.assert_close(torch.tensor(x1), torch.tensor(x2), rtol=1e-5, atol=1e-6, msg=str(key))
         assert l1 != 0.0 and abs(l1 - l2) <= 1e-5 * abs(l1), (key, l1, l2)
         for name in g1:
             scale = g1[name].abs().max().clamp(min=1e-12)

@@ -111,15 +111,16 @@ class Checkpointer:
         self.keep_last = max(1, keep_last)
         self.rank = rank
 
-    def save(self, step: int, model_optim: ModelOptimState, rank_state: dict, shared_state: dict) -> Path:
-        """Collective: every rank calls it. `shared_state` (identical on all ranks) goes in the marker."""
+    def save(self, step: int, states: dict[str, Stateful], rank_state: dict, shared_state: dict) -> Path:
+        """Collective: every rank calls it. `states` (e.g. {"app": ModelOptimState(...)}) go to DCP;
+        `shared_state` (identical on all ranks) goes in the marker."""
         final = self.root / f"step_{step:06d}"
         tmp = self.root / f"step_{step:06d}.tmp"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
-        dcp.save({"app": model_optim}, checkpoint_id=str(tmp))
+        dcp.save(states, checkpoint_id=str(tmp))
         (tmp / f"rank_{self.rank}.json").write_text(json.dumps(rank_state))
         barrier()
         if self.rank == 0:
@@ -136,11 +137,11 @@ class Checkpointer:
         for old in complete[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 
-    def load(self, path: Path, model_optim: ModelOptimState) -> tuple[dict, dict]:
+    def load(self, path: Path, states: dict[str, Stateful]) -> tuple[dict, dict]:
         """Collective. Returns (this rank's state, the shared state from the marker)."""
         if not is_complete(path):
             raise ConfigError(f"checkpoint {path} is incomplete (no {MARKER} marker or a truncated file)")
-        dcp.load({"app": model_optim}, checkpoint_id=str(path))
+        dcp.load(states, checkpoint_id=str(path))
         rank_file = path / f"rank_{self.rank}.json"
         if not rank_file.is_file():
             world = dist.get_world_size() if dist.is_initialized() else 1

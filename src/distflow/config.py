@@ -89,6 +89,21 @@ class OptimConfig:
 
 
 @dataclass
+class CriticConfig:
+    """PPO's value model (algorithm.advantage=gae needs it; nothing else uses it)."""
+
+    enabled: bool = False
+    path: str = ""  # "" = the policy's model.path: same backbone, a fresh value head
+    lr: float = 1e-5
+    lr_warmup_steps: int = 0
+    # Steps at the start that train only the critic, so the actor's first advantages come
+    # from a value function that has seen some returns (verl's critic_warmup).
+    warmup_steps: int = 0
+    # Value clipping: predictions move at most this far from the rollout-time values (None = off).
+    value_clip: Optional[float] = 0.5
+
+
+@dataclass
 class DataConfig:
     prompts_per_rank: int = 2
     shuffle: bool = True
@@ -152,13 +167,16 @@ class DistflowConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     data: DataConfig = field(default_factory=DataConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def validate(self) -> "DistflowConfig":
         """Cross-field checks that need no model, data or process group (so every rank fails alike)."""
-        a, r, o = self.algorithm, self.rollout, self.optim
+        a, r, o, c = self.algorithm, self.rollout, self.optim, self.critic
+        from distflow.algorithms.registry import CRITIC_ESTIMATORS
+
         checks = [
             (r.engine in ("vllm", "hf"), f"rollout.engine must be 'vllm' or 'hf', got {r.engine!r}"),
             (r.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1"),
@@ -169,6 +187,15 @@ class DistflowConfig:
             (self.model.dtype in ("float32", "bfloat16", "float16"), f"model.dtype {self.model.dtype!r} unsupported"),
             (a.overlong_buffer_len < r.max_new_tokens,
              f"algorithm.overlong_buffer_len={a.overlong_buffer_len} must be < rollout.max_new_tokens={r.max_new_tokens}"),
+            (c.enabled or a.advantage not in CRITIC_ESTIMATORS,
+             f"algorithm.advantage={a.advantage} (PPO) needs a critic: set critic.enabled=true (algorithm=ppo does)"),
+            (not c.enabled or a.advantage in CRITIC_ESTIMATORS,
+             f"critic.enabled=true but algorithm.advantage={a.advantage} does not use values; "
+             f"use one of {', '.join(CRITIC_ESTIMATORS)} or disable the critic"),
+            (c.lr > 0 and c.warmup_steps >= 0 and c.lr_warmup_steps >= 0,
+             "critic.lr must be > 0 and critic.warmup_steps, critic.lr_warmup_steps >= 0"),
+            (c.value_clip is None or c.value_clip > 0, f"critic.value_clip must be > 0 (or null), got {c.value_clip}"),
+            (0 <= a.gamma <= 1 and 0 <= a.lam <= 1, f"algorithm.gamma and lam must be in [0, 1], got {a.gamma}, {a.lam}"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -176,6 +203,8 @@ class DistflowConfig:
         from distflow.algorithms.registry import validate_algorithm
 
         validate_algorithm(a)
+        if c.enabled and c.path:
+            _check_model_path(c.path)
         seqs = self.data.prompts_per_rank * a.group_size
         if seqs % o.mini_batches:
             raise ConfigError(f"{seqs} sequences per rank do not split into optim.mini_batches={o.mini_batches}")

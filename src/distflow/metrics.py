@@ -81,7 +81,7 @@ class _Console:
         if progress_bar:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, desc="grpo", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if self.first_step is None:

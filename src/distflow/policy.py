@@ -1,4 +1,5 @@
 """The trainable policy: an HF causal LM sharded with FSDP2, its optimizer and LR schedule.
+(`ShardedModel` is the part it shares with the PPO critic, distflow.critic.)
 
 `fully_shard` wraps each decoder block and then the root, so parameters live as DTensor shards
 and are all-gathered one block at a time in forward/backward. Gradients are averaged over
@@ -64,16 +65,25 @@ def _decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
-class Policy:
-    """trainable=False builds a frozen copy (the KL reference): sharded the same way, no optimizer."""
+def response_window_index(batch: TokenBatch) -> torch.Tensor:
+    """[B, R] indices into the window of the last R+1 positions: column t of row i is the
+    position whose output predicts (or values the state before) response token t.
 
-    def __init__(self, model_path: str, model_cfg: ModelConfig, optim: OptimConfig, device: torch.device,
-                 world_size: int, trainable: bool = True):
+    A row with r response tokens has token t at window index R - r + t + 1, so the output at
+    window index R - r + t belongs to it (clamped past the end; those columns are masked).
+    """
+    width = batch.resp_mask.shape[1]
+    t = torch.arange(width, device=batch.resp_len.device)[None, :]
+    return (width - batch.resp_len[:, None] + t).clamp(max=width - 1)
+
+
+class ShardedModel:
+    """An HF model sharded with FSDP2 (each decoder block, then the root), its AdamW optimizer
+    and linear-warm-up LR schedule. trainable=False freezes it and builds no optimizer."""
+
+    def __init__(self, model: torch.nn.Module, model_cfg: ModelConfig, optim: OptimConfig, device: torch.device,
+                 world_size: int, trainable: bool = True, lr: float | None = None, warmup_steps: int | None = None):
         self.device = device
-        # fp32 master weights always; bf16/fp16 only as FSDP's compute dtype.
-        model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=torch.float32, trust_remote_code=model_cfg.trust_remote_code
-        )
         model.config.use_cache = False
         mesh = init_device_mesh(device.type, (world_size,))
         compute = getattr(torch, model_cfg.dtype)
@@ -89,39 +99,21 @@ class Policy:
             return
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
-            lr=optim.lr,
+            lr=optim.lr if lr is None else lr,
             betas=(optim.beta1, optim.beta2),
             weight_decay=optim.weight_decay,
         )
-        warmup = optim.warmup_steps
+        warmup = optim.warmup_steps if warmup_steps is None else warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
         )
         self.max_grad_norm = optim.max_grad_norm
 
-    def logprobs(self, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
-        """log p(response token | prefix) at `temperature`, shape [B, R] (0 beyond each response)."""
-        return self.forward(batch, temperature)[0]
-
-    def forward(self, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False):
-        """(logprobs [B, R], entropy [B, R] or None) of the response tokens at `temperature`."""
-        width = batch.resp_mask.shape[1]
-        keep = width + 1  # window of the last R+1 positions, which predicts every response token
-        logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                            position_ids=batch.position_ids, logits_to_keep=keep).logits
-        # response token t of a row with r tokens sits at window index R - r + t + 1 and is
-        # predicted by the logits at window index R - r + t
-        t = torch.arange(width, device=logits.device)[None, :]
-        idx = (width - batch.resp_len[:, None] + t).clamp(max=width - 1)
-        sel = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1])).float() / temperature
-        targets = batch.input_ids[:, -keep:].gather(1, idx + 1)
-        lp = sel.gather(-1, targets[..., None]).squeeze(-1) - torch.logsumexp(sel, dim=-1)
-        entropy = entropy_from_logits(sel) * batch.resp_mask if with_entropy else None
+    def _reshard_if_no_grad(self) -> None:
+        # FSDP2 keeps the root unsharded after forward in anticipation of backward; with no
+        # backward coming, reshard so parameters are DTensor shards again (optimizer, sync).
         if not torch.is_grad_enabled():
-            # FSDP2 keeps the root unsharded after forward in anticipation of backward; with no
-            # backward coming, reshard so parameters are DTensor shards again (optimizer, sync).
             self.model.reshard()
-        return lp * batch.resp_mask, entropy
 
     def step(self) -> float:
         """Clip gradients, take one optimizer step; returns the pre-clip global grad norm."""
@@ -136,3 +128,32 @@ class Policy:
     @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
+
+
+class Policy(ShardedModel):
+    """The causal LM being trained; trainable=False builds the frozen KL reference."""
+
+    def __init__(self, model_path: str, model_cfg: ModelConfig, optim: OptimConfig, device: torch.device,
+                 world_size: int, trainable: bool = True):
+        # fp32 master weights always; bf16/fp16 only as FSDP's compute dtype.
+        model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch.float32, trust_remote_code=model_cfg.trust_remote_code
+        )
+        super().__init__(model, model_cfg, optim, device, world_size, trainable)
+
+    def logprobs(self, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
+        """log p(response token | prefix) at `temperature`, shape [B, R] (0 beyond each response)."""
+        return self.forward(batch, temperature)[0]
+
+    def forward(self, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False):
+        """(logprobs [B, R], entropy [B, R] or None) of the response tokens at `temperature`."""
+        keep = batch.resp_mask.shape[1] + 1  # the last R+1 positions predict every response token
+        logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                            position_ids=batch.position_ids, logits_to_keep=keep).logits
+        idx = response_window_index(batch)
+        sel = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1])).float() / temperature
+        targets = batch.input_ids[:, -keep:].gather(1, idx + 1)
+        lp = sel.gather(-1, targets[..., None]).squeeze(-1) - torch.logsumexp(sel, dim=-1)
+        entropy = entropy_from_logits(sel) * batch.resp_mask if with_entropy else None
+        self._reshard_if_no_grad()
+        return lp * batch.resp_mask, entropy

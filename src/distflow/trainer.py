@@ -26,7 +26,8 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoTokenizer
 
-from distflow.algorithms import ADVANTAGE_ESTIMATORS, dynamic_sampling_keep, overlong_penalty, sequence_kl
+from distflow.algorithms import (ADVANTAGE_ESTIMATORS, CRITIC_ESTIMATORS, dynamic_sampling_keep, overlong_penalty,
+                                  token_kl)
 from distflow.checkpoint import Checkpointer, ModelOptimState, resolve_resume, rng_state, set_rng_state
 from distflow.config import ConfigError, DistflowConfig
 from distflow.data.prompts import PromptItem, load_prompts
@@ -40,7 +41,8 @@ from distflow.rewards.pool import RewardPool
 from distflow.rollout import Sample, build_engine
 from distflow.rollout.weight_sync import full_parameters
 from distflow.scoring import REWARD_FAILURES, score_groups
-from distflow.update import backward_policy_loss, pad_rows, per_sample_logprobs
+from distflow.critic import Critic
+from distflow.update import backward_policy_loss, backward_value_loss, pad_rows, per_sample_logprobs, per_sample_rows
 
 log = logging.getLogger("distflow")
 
@@ -52,9 +54,11 @@ class Rollouts:
     items: list[PromptItem] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
     rewards: torch.Tensor | None = None  # [num_prompts, group_size]
-    advantages: torch.Tensor | None = None  # [num_prompts * group_size]
+    advantages: torch.Tensor | None = None  # [num_samples], or [num_samples, T] per token (GAE)
     old_logprobs: list[torch.Tensor] | None = None  # per sample, when the update needs them
     ref_logprobs: list[torch.Tensor] | None = None  # per sample, when KL is on
+    values: list[torch.Tensor] | None = None  # per sample, the critic's (PPO)
+    returns: list[torch.Tensor] | None = None  # per sample, the critic's targets (PPO)
     reward_stats: dict[str, float] = field(default_factory=lambda: dict.fromkeys(REWARD_FAILURES, 0.0))
     rounds: int = 0
     generated_groups: int = 0
@@ -99,8 +103,12 @@ class Trainer:
         # The frozen reference exists only when KL is on: beta = 0 costs nothing.
         self.reference = (Policy(self.model_path, cfg.model, cfg.optim, self.dist.device, self.dist.world_size,
                                  trainable=False) if a.kl_coef > 0 else None)
+        # The critic exists only for estimators that need values (PPO's GAE).
+        self.critic = (Critic(resolve_on_local_rank0_first(cfg.critic.path, self.dist.local_rank) if cfg.critic.path
+                              else self.model_path, cfg.critic, cfg.model, cfg.optim, self.dist.device,
+                              self.dist.world_size) if cfg.critic.enabled else None)
         self.engine_dtype = getattr(torch, cfg.model.dtype)
-        self.advantage_fn = ADVANTAGE_ESTIMATORS[a.advantage]
+        self.advantage_fn = ADVANTAGE_ESTIMATORS.get(a.advantage) or CRITIC_ESTIMATORS[a.advantage]
         self.checkpointer = Checkpointer(t.output_dir, t.keep_last, self.dist.rank)
         self.step = 0
         self.history: list[dict] = []  # every logged step, kept so a resume can rewrite metrics.jsonl
@@ -211,43 +219,68 @@ class Trainer:
             batch.old_logprobs = per_sample_logprobs(self.policy, batch.samples, self.cfg, self.pad_id)
         if self.reference is not None:
             batch.ref_logprobs = per_sample_logprobs(self.reference, batch.samples, self.cfg, self.pad_id)
+        if self.critic is not None:
+            batch.values = per_sample_rows(self.critic.values, batch.samples, self.cfg, self.pad_id, self.critic.device)
 
     def compute_advantages(self, batch: Rollouts) -> None:
         a, r = self.cfg.algorithm, self.cfg.rollout
+        global_sum = lambda v: all_reduce(v).tolist()  # noqa: E731
         rewards = batch.rewards.clone()
         if a.overlong_buffer_len > 0:  # DAPO soft overlong punishment
             lens = torch.tensor([len(s.response_ids) for s in batch.samples], dtype=torch.float32)
             rewards += overlong_penalty(lens, r.max_new_tokens, a.overlong_buffer_len, a.overlong_penalty).view_as(rewards)
+        width = max([1] + [len(s.response_ids) for s in batch.samples])
+        mask = pad_rows([torch.ones(len(s.response_ids)) for s in batch.samples], width) if batch.samples else None
+        kl = None
         if a.kl_coef > 0 and a.kl_in_reward and batch.samples:
-            width = max(1, max(len(s.response_ids) for s in batch.samples))
-            old, ref = pad_rows(batch.old_logprobs, width), pad_rows(batch.ref_logprobs, width)
-            mask = pad_rows([torch.ones(len(s.response_ids)) for s in batch.samples], width)
-            rewards -= a.kl_coef * sequence_kl(old.cpu(), ref.cpu(), mask, a.kl_estimator).view_as(rewards)
-        batch.advantages = self.advantage_fn(rewards, a, lambda v: all_reduce(v).tolist()).reshape(-1)
+            old, ref = pad_rows(batch.old_logprobs, width).cpu(), pad_rows(batch.ref_logprobs, width).cpu()
+            kl = a.kl_coef * token_kl(old, ref, mask, a.kl_estimator)
+        if self.critic is None:
+            if kl is not None:
+                rewards -= kl.sum(-1).view_as(rewards)
+            batch.advantages = self.advantage_fn(rewards, a, global_sum).reshape(-1)
+            return
+        values = pad_rows(batch.values, width).cpu() if batch.samples else torch.zeros((0, 1))
+        adv, returns = self.advantage_fn(rewards.reshape(-1), values, mask if mask is not None else values, a,
+                                         global_sum, token_penalty=kl)
+        batch.advantages = adv
+        batch.returns = [returns[i, : len(s.response_ids)] for i, s in enumerate(batch.samples)]
 
     def update(self, batch: Rollouts) -> dict[str, float]:
-        """ppo_epochs x mini_batches optimizer steps; skipped (on all ranks) if no group is left."""
+        """ppo_epochs x mini_batches optimizer steps of the policy (and the critic, when there is
+        one); skipped on all ranks if no group is left. During critic warm-up only the critic trains."""
         o = self.cfg.optim
-        totals: dict[str, float] = {"skipped": 0.0}
         if int(all_reduce(len(batch.samples))) == 0:
             log_main(self.dist.is_main, f"step {self.step}: every group was filtered out; update skipped")
             return {"skipped": 1.0}
+        train_actor = self.critic is None or self.step > self.cfg.critic.warmup_steps
         per_mini = -(-len(batch.samples) // o.mini_batches) if batch.samples else 0
-        grad_norms = []
+        totals: dict[str, float] = {"skipped": 0.0, "actor_skipped": float(not train_actor)}
+        grad_norms, critic_norms = [], []
+
+        def rows_of(per_sample, rows):
+            return per_sample[rows] if per_sample is not None else None
+
         for _ in range(self.cfg.algorithm.ppo_epochs):
             for m in range(o.mini_batches):
                 rows = slice(m * per_mini, (m + 1) * per_mini)
-                stats = backward_policy_loss(
-                    self.policy, batch.samples[rows], batch.advantages[rows],
-                    batch.old_logprobs[rows] if batch.old_logprobs is not None else None,
-                    self.cfg, self.pad_id,
-                    ref_logprobs=batch.ref_logprobs[rows] if batch.ref_logprobs is not None else None,
-                )
+                stats = {}
+                if train_actor:
+                    stats = backward_policy_loss(
+                        self.policy, batch.samples[rows], batch.advantages[rows], rows_of(batch.old_logprobs, rows),
+                        self.cfg, self.pad_id, ref_logprobs=rows_of(batch.ref_logprobs, rows))
+                    grad_norms.append(self.policy.step())
+                if self.critic is not None:
+                    stats.update(backward_value_loss(self.critic, batch.samples[rows], batch.values[rows],
+                                                     batch.returns[rows], self.cfg, self.pad_id))
+                    critic_norms.append(self.critic.step())
                 for k, v in stats.items():
                     totals[k] = totals.get(k, 0.0) + v
-                grad_norms.append(self.policy.step())
-        totals["loss"] /= len(grad_norms)
-        totals["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        passes = o.mini_batches * self.cfg.algorithm.ppo_epochs
+        for key in ("loss", "value_loss"):
+            totals[key] = totals.get(key, 0.0) / passes
+        totals["grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
+        totals["critic_grad_norm"] = sum(critic_norms) / max(len(critic_norms), 1)
         return totals
 
     def sync_weights(self) -> None:
@@ -281,7 +314,16 @@ class Trainer:
         rank_state = {"rng": rng_state(), "sampler": self.sampler.state_dict()}
         shared = {"history": self.history, "scheduler": self.policy.scheduler.state_dict(),
                   "model_path": self.model_path, "world_size": self.dist.world_size, "summary": self.summary}
-        self.checkpointer.save(self.step, ModelOptimState(self.policy.model, self.policy.optimizer), rank_state, shared)
+        if self.critic is not None:
+            shared["critic_scheduler"] = self.critic.scheduler.state_dict()
+        self.checkpointer.save(self.step, self.stateful_models(), rank_state, shared)
+
+    def stateful_models(self) -> dict[str, ModelOptimState]:
+        """What DCP saves: the policy ("app", its key since the first format) and the critic."""
+        states = {"app": ModelOptimState(self.policy.model, self.policy.optimizer)}
+        if self.critic is not None:
+            states["critic"] = ModelOptimState(self.critic.model, self.critic.optimizer)
+        return states
 
     def resume(self) -> None:
         """Restore everything a checkpoint holds, then give the engine the restored weights."""
@@ -290,8 +332,10 @@ class Trainer:
         path = broadcast_object(str(found) if found else None)  # rank 0's view of the filesystem decides
         if path is None:
             return
-        rank_state, shared = self.checkpointer.load(Path(path), ModelOptimState(self.policy.model, self.policy.optimizer))
+        rank_state, shared = self.checkpointer.load(Path(path), self.stateful_models())
         self.policy.scheduler.load_state_dict(shared["scheduler"])
+        if self.critic is not None:
+            self.critic.scheduler.load_state_dict(shared["critic_scheduler"])
         self.sampler.load_state_dict(rank_state["sampler"])
         set_rng_state(rank_state["rng"])
         self.step, self.history = shared["step"], shared["history"]
@@ -352,7 +396,9 @@ class Trainer:
             "generated_groups": float(batch.generated_groups),
             **{f"reward/{k}": v for k, v in batch.reward_stats.items()},
             **{f"upd/{k}": upd.get(k, 0.0) for k in ("loss", "clip_low", "clip_high", "dual_clip", "kl",
-                                                      "entropy", "tis_weight", "tokens")},
+                                                      "entropy", "tis_weight", "tokens", "value_loss",
+                                                      "value_clipped", "value_sq_error", "value_sum",
+                                                      "value_tokens")},
         }
         maxima = {f"timing/{k}_s": v for k, v in timing.items()}
         maxima.update({"response_length/max": float(max(resp_lens)), "sync/max_abs_logprob_diff": probe,
@@ -383,6 +429,14 @@ class Trainer:
             out["loss/entropy"] = g["upd/entropy"] / trained
         if a.tis_cap is not None:
             out["tis/mean_weight"] = g["upd/tis_weight"] / trained
+        if self.critic is not None:
+            values = max(g["upd/value_tokens"], 1.0)
+            out["value/loss"] = g["upd/value_loss"]
+            out["value/clip_fraction"] = g["upd/value_clipped"] / values
+            out["value/mean"] = g["upd/value_sum"] / values
+            out["value/rmse"] = (g["upd/value_sq_error"] / values) ** 0.5
+            out["critic/grad_norm"] = upd.get("critic_grad_norm", 0.0)
+            out["update/actor_skipped"] = upd.get("actor_skipped", 0.0)
         if a.dynamic_sampling:
             out["dynamic_sampling/kept_groups"] = g["kept_groups"]
             out["dynamic_sampling/generated_groups"] = g["generated_groups"]

@@ -11,12 +11,13 @@ global mini-batch.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
-from distflow.algorithms import aggregate_denominator, aggregate_numerator, compute_token_loss
+from distflow.algorithms import aggregate_denominator, aggregate_numerator, compute_token_loss, value_loss
 from distflow.config import DistflowConfig
+from distflow.critic import Critic
 from distflow.distributed import all_reduce
 from distflow.policy import Policy, TokenBatch
 from distflow.rollout.base import Sample
@@ -49,15 +50,28 @@ def micro_batches(samples: list[Sample], size: int, pad_id: int, device: torch.d
 
 
 @torch.no_grad()
-def per_sample_logprobs(policy: Policy, samples: list[Sample], cfg: DistflowConfig, pad_id: int) -> list[torch.Tensor]:
-    """Response logprobs of every sample (one 1-D tensor each), in as many passes as any rank."""
+def per_sample_rows(forward: Callable[[TokenBatch], torch.Tensor], samples: list[Sample], cfg: DistflowConfig,
+                    pad_id: int, device: torch.device) -> list[torch.Tensor]:
+    """forward(batch) -> [B, R] per response token, cut into one 1-D tensor per sample, in as
+    many passes as any rank."""
     out: list[torch.Tensor] = []
-    for _, mb, real in micro_batches(samples, cfg.optim.micro_batch_size, pad_id, policy.device):
-        lp = policy.logprobs(mb, cfg.rollout.temperature)
+    for _, mb, real in micro_batches(samples, cfg.optim.micro_batch_size, pad_id, device):
+        rows = forward(mb)
         if real:
             lengths = mb.resp_mask.sum(-1).long().tolist()
-            out += [lp[i, :n] for i, n in enumerate(lengths)]
+            out += [rows[i, :n] for i, n in enumerate(lengths)]
     return out
+
+
+def per_sample_logprobs(policy: Policy, samples: list[Sample], cfg: DistflowConfig, pad_id: int) -> list[torch.Tensor]:
+    """Response logprobs of every sample at the rollout temperature."""
+    return per_sample_rows(lambda mb: policy.logprobs(mb, cfg.rollout.temperature), samples, cfg, pad_id, policy.device)
+
+
+def _global_denominator(batches: list[tuple[int, TokenBatch, bool]], mode: str) -> float:
+    """The loss normaliser of the whole global mini-batch (summed over ranks), at least 1."""
+    local = sum(aggregate_denominator(mb.resp_mask, mode) for _, mb, real in batches if real)
+    return max(float(all_reduce(local)), 1.0)
 
 
 def backward_policy_loss(
@@ -76,15 +90,16 @@ def backward_policy_loss(
     """
     a, device, world = cfg.algorithm, policy.device, torch.distributed.get_world_size()
     batches = list(micro_batches(samples, cfg.optim.micro_batch_size, pad_id, device, a.overlong_filter))
-    local_den = sum(aggregate_denominator(mb.resp_mask, a.loss_agg_mode) for _, mb, real in batches if real)
-    denom = max(float(all_reduce(local_den)), 1.0)
+    denom = _global_denominator(batches, a.loss_agg_mode)
     stats = {"loss": 0.0, "clip_low": 0.0, "clip_high": 0.0, "dual_clip": 0.0, "tokens": 0.0,
              "kl": 0.0, "entropy": 0.0, "tis_weight": 0.0}
     for start, mb, real in batches:
         rows = slice(start, start + mb.input_ids.shape[0])
-        adv = advantages[rows].to(device) if real else torch.zeros(mb.input_ids.shape[0], device=device)
         logp, entropy = policy.forward(mb, cfg.rollout.temperature, with_entropy=a.entropy_coef != 0)
         width = logp.shape[1]
+        adv = advantages[rows].to(device) if real else torch.zeros(mb.input_ids.shape[0], device=device)
+        if adv.dim() == 2:  # token-level (GAE): rows are left-aligned like the response mask
+            adv = pad_rows(list(adv), width) if real else torch.zeros_like(logp)
         old = logp.detach() if old_logprobs is None or not real else pad_rows(old_logprobs[rows], width)
         engine = None
         if a.tis_cap is not None:
@@ -101,4 +116,31 @@ def backward_policy_loss(
             for key in ("clip_low", "clip_high", "dual_clip", "kl", "entropy", "tis_weight"):
                 if key in info:
                     stats[key] += float(info[key].float()[mask].sum())
+    return stats
+
+
+def backward_value_loss(critic: Critic, samples: list[Sample], old_values: list[torch.Tensor],
+                        returns: list[torch.Tensor], cfg: DistflowConfig, pad_id: int) -> dict[str, float]:
+    """The critic's counterpart of backward_policy_loss: clipped value loss, aggregated with the
+    algorithm's loss_agg_mode over the global mini-batch, same passes on every rank."""
+    a, device, world = cfg.algorithm, critic.device, torch.distributed.get_world_size()
+    batches = list(micro_batches(samples, cfg.optim.micro_batch_size, pad_id, device))
+    denom = _global_denominator(batches, a.loss_agg_mode)
+    stats = {"value_loss": 0.0, "value_clipped": 0.0, "value_sq_error": 0.0, "value_tokens": 0.0, "value_sum": 0.0}
+    for start, mb, real in batches:
+        rows = slice(start, start + mb.input_ids.shape[0])
+        values = critic.values(mb)
+        width = values.shape[1]
+        old = pad_rows(old_values[rows], width).to(device) if real else values.detach()
+        ret = pad_rows(returns[rows], width).to(device) if real else values.detach()
+        token_loss, info = value_loss(values, old, ret, mb.resp_mask, cfg.critic.value_clip)
+        num = aggregate_numerator(token_loss, mb.resp_mask, a.loss_agg_mode, cfg.rollout.max_new_tokens)
+        (num * (world / denom if real else 0.0)).backward()
+        if real:
+            mask = mb.resp_mask.bool()
+            stats["value_loss"] += float(num.detach()) / denom
+            stats["value_clipped"] += float(info["clipped"].sum())
+            stats["value_sq_error"] += float((info["error"] ** 2).sum())
+            stats["value_sum"] += float(values.detach()[mask].sum())
+            stats["value_tokens"] += float(mask.sum())
     return stats

@@ -8,6 +8,7 @@ from distflow.algorithms.advantages import (
     GlobalSum,
     dynamic_sampling_keep,
     gae,
+    gae_advantages,
     group_normalized_advantages,
     grpo_advantages,
     local_sum,
@@ -17,7 +18,7 @@ from distflow.algorithms.advantages import (
     rloo_advantages,
     whiten_global,
 )
-from distflow.algorithms.kl import KL_ESTIMATORS, entropy_from_logits, kl_penalty, sequence_kl
+from distflow.algorithms.kl import KL_ESTIMATORS, entropy_from_logits, kl_penalty, sequence_kl, token_kl
 from distflow.algorithms.losses import (
     LOSS_AGG_MODES,
     aggregate_denominator,
@@ -26,9 +27,11 @@ from distflow.algorithms.losses import (
     gspo_loss,
     ppo_clip_loss,
     tis_weights,
+    value_loss,
 )
 from distflow.algorithms.registry import (
     ADVANTAGE_ESTIMATORS,
+    CRITIC_ESTIMATORS,
     POLICY_LOSSES,
     compute_token_loss,
     validate_algorithm,
@@ -36,6 +39,7 @@ from distflow.algorithms.registry import (
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "CRITIC_ESTIMATORS",
     "GlobalSum",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
@@ -47,6 +51,7 @@ __all__ = [
     "dynamic_sampling_keep",
     "entropy_from_logits",
     "gae",
+    "gae_advantages",
     "group_normalized_advantages",
     "grpo_advantages",
     "gspo_loss",
@@ -59,6 +64,8 @@ __all__ = [
     "rloo_advantages",
     "sequence_kl",
     "tis_weights",
+    "token_kl",
     "validate_algorithm",
+    "value_loss",
     "whiten_global",
 ]

@@ -115,6 +115,27 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
     return adv, (adv + values) * m
 
 
+def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, cfg: AlgorithmConfig,
+                   global_sum: GlobalSum, token_penalty: Optional[torch.Tensor] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's estimator: token-level (advantages, returns), [N, T], from one scalar reward per sample.
+
+    The reward lands on each response's last token; `token_penalty` (e.g. beta * KL per token, as
+    verl's kl_in_reward) is subtracted at every token. GAE runs per sample with cfg.gamma and
+    cfg.lam; advantages are then whitened over the valid tokens of ALL ranks (one all-reduce),
+    while returns — the critic's regression targets — stay unwhitened. An empty response has no
+    token to carry its reward and contributes nothing.
+    """
+    rewards = rewards.reshape(-1).to(values.dtype)
+    m = mask.to(values.dtype)
+    token_rewards = -token_penalty * m if token_penalty is not None else torch.zeros_like(values)
+    lengths = m.sum(-1).long()
+    rows = (lengths > 0).nonzero().flatten()
+    token_rewards[rows, lengths[rows] - 1] += rewards[rows]
+    adv, returns = gae(token_rewards, values, m, cfg.gamma, cfg.lam)
+    return whiten_global(adv, global_sum, cfg.eps, mask=m), returns
+
+
 def dynamic_sampling_keep(rewards: torch.Tensor) -> torch.Tensor:
     """DAPO dynamic sampling (Yu et al. 2025): bool [num_groups], True where a group's rewards differ.
 

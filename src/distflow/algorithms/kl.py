@@ -38,12 +38,16 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
     return KL_ESTIMATORS[kind](logp, ref_logp)
 
 
-def sequence_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, kind: str) -> torch.Tensor:
-    """Detached per-sequence KL sum over valid tokens, [B]: for kl_in_reward (r <- r - kl_coef * this)."""
+def token_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, kind: str) -> torch.Tensor:
+    """Detached per-token KL, 0 on padding, [B, T]: for kl_in_reward with token-level rewards (PPO)."""
     with torch.no_grad():
         m = mask.bool()
-        kl = kl_penalty(torch.where(m, logp, 0.0), torch.where(m, ref_logp, 0.0), kind)
-        return (kl * m).sum(-1)
+        return kl_penalty(torch.where(m, logp, 0.0), torch.where(m, ref_logp, 0.0), kind) * m
+
+
+def sequence_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, kind: str) -> torch.Tensor:
+    """Detached per-sequence KL sum over valid tokens, [B]: for kl_in_reward (r <- r - kl_coef * this)."""
+    return token_kl(logp, ref_logp, mask, kind).sum(-1)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -108,6 +108,26 @@ def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Ten
     return loss, _info(ratio, m, torch.zeros_like(m), ratio > hi)
 
 
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip: Optional[float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped value loss, per token: 0.5 * max((v - R)^2, (clip(v, v_old +- clip) - R)^2).
+
+    The clipped term keeps one update from moving a value far from its rollout-time estimate
+    (as in verl and OpenAI baselines); clip=None is the plain squared error. 0 on padding.
+    info: "clipped" (bool, the clipped term was the larger one) and "error" (v - R), detached.
+    """
+    m = mask.bool()
+    err = (values - returns) ** 2
+    if clip is not None:
+        clipped_v = old_values + (values - old_values).clamp(-clip, clip)
+        err_clipped = (clipped_v - returns) ** 2
+        loss, hit = torch.maximum(err, err_clipped), (err_clipped > err) & m
+    else:
+        loss, hit = err, torch.zeros_like(m)
+    loss = torch.where(m, 0.5 * loss, torch.zeros_like(loss))
+    return loss, {"clipped": hit.detach(), "error": torch.where(m, values - returns, 0.0).detach()}
+
+
 @torch.no_grad()
 def tis_weights(old_logp: torch.Tensor, engine_logp: torch.Tensor, cap: float,
                 mask: Optional[torch.Tensor] = None) -> torch.Tensor:

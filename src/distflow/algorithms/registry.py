@@ -10,6 +10,7 @@ from typing import Callable, Optional
 import torch
 
 from distflow.algorithms.advantages import (
+    gae_advantages,
     grpo_advantages,
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
@@ -26,15 +27,16 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
     "reinforce_pp": reinforce_pp_advantages,
     "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
 }
-# Estimators that need a critic and token-level values (advantages.gae); not in the table above.
-CRITIC_ESTIMATORS = ("gae",)
+# fn(rewards [N], values [N,T], mask [N,T], cfg, global_sum, token_penalty) -> (advantages, returns) [N,T]:
+# estimators that need a critic's token-level values.
+CRITIC_ESTIMATORS: dict[str, Callable] = {"gae": gae_advantages}
 # Estimators whose baseline is the sample's own group: useless (or undefined) with group_size 1.
 GROUP_RELATIVE = ("grpo", "rloo", "reinforce_pp_baseline")
 
 # fn(logp [B,T], old_logp [B,T], advantages [B] | [B,T], mask [B,T], cfg) -> (token_loss [B,T], info)
 POLICY_LOSSES: dict[str, Callable] = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss}
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "KL_ESTIMATORS", "POLICY_LOSSES", "compute_token_loss", "validate_algorithm"]
+__all__ = ["ADVANTAGE_ESTIMATORS", "CRITIC_ESTIMATORS", "KL_ESTIMATORS", "POLICY_LOSSES", "compute_token_loss", "validate_algorithm"]
 
 
 def _choice(value: str, key: str, options) -> Optional[str]:
@@ -49,8 +51,6 @@ def validate_algorithm(cfg: AlgorithmConfig) -> None:
         _choice(cfg.policy_loss, "policy_loss", tuple(POLICY_LOSSES)),
         _choice(cfg.kl_estimator, "kl_estimator", tuple(KL_ESTIMATORS)),
         _choice(cfg.loss_agg_mode, "loss_agg_mode", LOSS_AGG_MODES),
-        None if cfg.advantage not in CRITIC_ESTIMATORS else
-        f"algorithm.advantage={cfg.advantage} (PPO) needs a critic, which this build does not provide yet",
         None if cfg.group_size >= 1 else f"algorithm.group_size must be >= 1, got {cfg.group_size}",
         None if cfg.group_size >= 2 or cfg.advantage not in GROUP_RELATIVE else
         f"algorithm.advantage={cfg.advantage} is group-relative and needs group_size >= 2, got {cfg.group_size}",

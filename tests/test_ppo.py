@@ -1,0 +1,219 @@
+"""PPO with a critic: GAE advantages and the clipped value loss against independent references,
+the critic's values against a plain forward pass, 1-rank vs 2-rank equality of the critic's
+loss and gradients, and a resumable end-to-end run with critic warm-up."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from dist_helpers import run_distributed
+from launch_helpers import read_metrics, torchrun
+from test_fsdp_equivalence import fixed_batch
+from distflow.algorithms import gae_advantages, local_sum, value_loss
+from distflow.config import AlgorithmConfig, ConfigError, DistflowConfig
+from distflow.critic import Critic
+from distflow.distributed import all_reduce
+from distflow.policy import TokenBatch
+from distflow.update import backward_value_loss, per_sample_rows
+
+
+# ----------------------------------------------------------------------------- GAE estimator
+
+def _reference_gae(rewards, values, lengths, penalty, gamma, lam, eps):
+    """Plain-python PPO advantages: reward on the last token, GAE backwards, whiten valid tokens."""
+    advs, rets = [], []
+    for r, v, n, p in zip(rewards, values, lengths, penalty):
+        tok_r = [-p[t] for t in range(n)]
+        if n:
+            tok_r[-1] += r
+        adv, last = [0.0] * n, 0.0
+        for t in reversed(range(n)):
+            nxt = v[t + 1] if t + 1 < n else 0.0
+            last = tok_r[t] + gamma * nxt - v[t] + gamma * lam * last
+            adv[t] = last
+        advs.append(adv)
+        rets.append([adv[t] + v[t] for t in range(n)])
+    flat = np.array([x for a in advs for x in a])
+    mean, std = flat.mean(), flat.std(ddof=1)
+    return [[(x - mean) / (std + eps) for x in a] for a in advs], rets
+
+
+def test_gae_advantages_match_reference():
+    cfg = AlgorithmConfig(gamma=0.9, lam=0.8)
+    lengths = [3, 1, 0, 4]  # one empty response: nothing to credit, contributes nothing
+    g = torch.Generator().manual_seed(3)
+    values = torch.randn(4, 4, generator=g, dtype=torch.float64)
+    penalty = torch.rand(4, 4, generator=g, dtype=torch.float64) * 0.1
+    mask = torch.tensor([[1.0] * n + [0.0] * (4 - n) for n in lengths], dtype=torch.float64)
+    rewards = torch.tensor([1.0, -0.5, 2.0, 0.25], dtype=torch.float64)
+    adv, ret = gae_advantages(rewards, values * mask, mask, cfg, local_sum, token_penalty=penalty)
+    ref_adv, ref_ret = _reference_gae(rewards.tolist(), values.tolist(), lengths, penalty.tolist(), 0.9, 0.8, cfg.eps)
+    for i, n in enumerate(lengths):
+        np.testing.assert_allclose(adv[i, :n].numpy(), ref_adv[i], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(ret[i, :n].numpy(), ref_ret[i], rtol=1e-9)
+        assert torch.all(adv[i, n:] == 0) and torch.all(ret[i, n:] == 0)
+
+
+# ----------------------------------------------------------------------------- value loss
+
+def test_value_loss_clipping_as_specified():
+    old = torch.tensor([[0.0, 0.0, 0.0, 1.0]])
+    ret = torch.tensor([[1.0, 1.0, -1.0, 9.0]])
+    v = torch.tensor([[0.3, 2.0, 0.4, 5.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])  # the last token is padding
+    loss, info = value_loss(v, old, ret, mask, clip=0.2)
+    # token 0: v inside old +- 0.2? no: 0.3 -> clipped 0.2; errors 0.49 vs 0.64: the clipped one is larger
+    # token 1: v=2.0 -> clipped 0.2; errors 1.0 vs 0.64: the unclipped one is larger
+    # token 2: v=0.4 -> clipped 0.2; errors 1.96 vs 1.44: the unclipped one is larger
+    expected = [0.5 * 0.64, 0.5 * 1.0, 0.5 * 1.96, 0.0]
+    np.testing.assert_allclose(loss.detach().numpy()[0], expected, rtol=1e-6)
+    assert info["clipped"].tolist() == [[True, False, False, False]]
+    loss.sum().backward()
+    # where the clipped term wins, the value gets no gradient (the clip saturates); else v - R
+    np.testing.assert_allclose(v.grad.numpy()[0], [0.0, 1.0, 1.4, 0.0], rtol=1e-6)
+
+
+def test_value_loss_without_clip_is_half_squared_error():
+    g = torch.Generator().manual_seed(0)
+    v, old, ret = (torch.randn(3, 5, generator=g) for _ in range(3))
+    mask = (torch.arange(5)[None, :] < torch.tensor([5, 0, 2])[:, None]).float()
+    loss, info = value_loss(v, old, ret, mask, clip=None)
+    ref = 0.5 * (v - ret) ** 2 * mask
+    torch.testing.assert_close(loss, ref)
+    assert not info["clipped"].any()
+
+
+# ----------------------------------------------------------------------------- the critic model
+
+def _critic(model_dir, world, lr=1e-3):
+    cfg = DistflowConfig()
+    cfg.critic.enabled, cfg.critic.lr = True, lr
+    cfg.algorithm.advantage = "gae"
+    cfg.optim.micro_batch_size = 3
+    return cfg, Critic(model_dir, cfg.critic, cfg.model, cfg.optim, torch.device("cpu"), world)
+
+
+def _values_worker(rank, world, model_dir, out_path):
+    torch.manual_seed(0)
+    cfg, critic = _critic(model_dir, world)
+    samples, _, _ = fixed_batch(n=4)
+    batch = TokenBatch.from_samples(samples, 0, torch.device("cpu"))
+    with torch.no_grad():
+        got = critic.values(batch)
+        # reference: each sequence alone, no padding; V before response token t is the head's
+        # output at the position of the token before it
+        ref = []
+        for s in samples:
+            ids = torch.tensor([s.prompt_ids + s.response_ids])
+            out = critic.model(input_ids=ids).logits[0, :, 0]
+            p = len(s.prompt_ids)
+            ref.append(out[p - 1 : p - 1 + len(s.response_ids)])
+            critic.model.reshard()
+    torch.save({"got": got, "ref": ref, "lens": [len(s.response_ids) for s in samples]}, out_path)
+
+
+def test_critic_values_are_the_states_before_each_response_token(tiny_model_dir, tmp_path):
+    run_distributed(_values_worker, 1, tiny_model_dir, str(tmp_path / "v.pt"))
+    out = torch.load(tmp_path / "v.pt", weights_only=True)
+    for i, n in enumerate(out["lens"]):
+        torch.testing.assert_close(out["got"][i, :n], out["ref"][i], rtol=1e-5, atol=1e-5)
+        assert torch.all(out["got"][i, n:] == 0)
+    assert any(out["got"][i, :n].abs().max() > 1e-4 for i, n in enumerate(out["lens"]) if n)
+
+
+def _sharding_worker(rank, world, model_dir, out_path):
+    torch.manual_seed(0)
+    cfg, critic = _critic(model_dir, world)
+    samples, _, noise = fixed_batch(n=8)
+    per = len(samples) // world
+    lo, hi = rank * per, (rank + 1) * per
+    local = samples[lo:hi]
+    rewards = torch.linspace(-1.0, 1.0, 8)[lo:hi]
+    values = per_sample_rows(critic.values, local, cfg, 0, critic.device)
+    width = max(1, max(len(s.response_ids) for s in local))
+    mask = torch.stack([torch.arange(width) < len(s.response_ids) for s in local]).float()
+    padded = torch.stack([torch.nn.functional.pad(v, (0, width - len(v))) for v in values])
+    adv, ret = gae_advantages(rewards, padded, mask, AlgorithmConfig(gamma=0.95, lam=0.9),
+                              lambda v: all_reduce(v).tolist())
+    returns = [ret[i, : len(s.response_ids)] + 0.3 * noise[lo + i] for i, s in enumerate(local)]
+    old = [v + 0.05 * noise[lo + i] for i, v in enumerate(values)]  # puts some tokens past the clip
+    cfg.critic.value_clip = 0.02
+    results = {}
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        cfg.algorithm.loss_agg_mode = mode
+        stats = backward_value_loss(critic, local, old, returns, cfg, pad_id=0)
+        grads = {n: p.grad.full_tensor().clone() for n, p in critic.model.named_parameters()}
+        critic.optimizer.zero_grad(set_to_none=True)
+        results[mode] = (float(all_reduce(stats["value_loss"])), float(all_reduce(stats["value_clipped"])), grads)
+    gathered = [None] * world
+    torch.distributed.all_gather_object(gathered, [a[: len(s.response_ids)].tolist() for a, s in zip(adv, local)])
+    if rank == 0:
+        torch.save({"adv": sum(gathered, []), "results": results}, out_path)
+
+
+def test_critic_loss_gradients_and_advantages_are_sharding_invariant(tiny_model_dir, tmp_path):
+    run_distributed(_sharding_worker, 1, tiny_model_dir, str(tmp_path / "c1.pt"))
+    run_distributed(_sharding_worker, 2, tiny_model_dir, str(tmp_path / "c2.pt"))
+    one, two = (torch.load(tmp_path / f, weights_only=True) for f in ("c1.pt", "c2.pt"))
+    for a1, a2 in zip(one["adv"], two["adv"]):
+        np.testing.assert_allclose(a1, a2, rtol=1e-5, atol=1e-6)
+    for mode, (l1, c1, g1) in one["results"].items():
+        l2, c2, g2 = two["results"][mode]
+        assert l1 > 0 and math.isclose(l1, l2, rel_tol=1e-5), (mode, l1, l2)
+        assert c1 == c2 and c1 > 0, (mode, c1, c2)  # the clip is active, and identically so
+        for name in g1:
+            scale = g1[name].abs().max().clamp(min=1e-12)
+            assert float((g1[name] - g2[name]).abs().max() / scale) <= 1e-5, (mode, name)
+
+
+# ----------------------------------------------------------------------------- config and runs
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"advantage": "gae"}, "needs a critic"),
+    ({"critic_enabled": True}, "does not use values"),
+    ({"advantage": "gae", "critic_enabled": True, "value_clip": 0.0}, "value_clip"),
+    ({"advantage": "gae", "critic_enabled": True, "lam": 1.5}, "lam"),
+])
+def test_critic_config_errors(overrides, match):
+    cfg = DistflowConfig()
+    cfg.algorithm.advantage = overrides.get("advantage", "grpo")
+    cfg.algorithm.lam = overrides.get("lam", 1.0)
+    cfg.critic.enabled = overrides.get("critic_enabled", False)
+    cfg.critic.value_clip = overrides.get("value_clip", 0.5)
+    with pytest.raises(ConfigError, match=match):
+        cfg.validate()
+
+
+def test_ppo_without_a_critic_fails_before_loading(tmp_path):
+    proc = torchrun(["experiment=smoke", "algorithm=ppo", "critic.enabled=false", f"trainer.output_dir={tmp_path}"],
+                    timeout=180, torchrun_args=["--monitor-interval=15"])
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("distflow: error:")]
+    assert proc.returncode != 0 and len(errors) == 2 and all("needs a critic" in e for e in errors), errors
+    assert "Loading weights" not in proc.stderr
+
+
+VOLATILE = ("timing/", "throughput/")
+
+
+@pytest.mark.slow
+def test_ppo_runs_with_critic_warmup_and_resumes_bit_exact(tmp_path):
+    common = ["experiment=smoke", "algorithm=ppo", "rollout=hf", "critic.warmup_steps=1", "critic.lr=1e-3",
+              "task.reward=rewards_for_tests:digit_fraction", "trainer.checkpoint_every=2", "trainer.plot_at_end=false"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    for out, steps in ((straight, 4), (split, 2), (split, 4)):
+        proc = torchrun([*common, f"trainer.output_dir={out}", f"trainer.steps={steps}"])
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    a, b = read_metrics(straight), read_metrics(split)
+    # step 1 trains only the critic; later steps train both
+    assert a[0]["update/actor_skipped"] == 1 and a[0]["grad_norm"] == 0 and a[0]["critic/grad_norm"] > 0
+    assert all(r["update/actor_skipped"] == 0 and r["grad_norm"] > 0 for r in a[1:])
+    assert all(k in a[-1] for k in ("value/loss", "value/clip_fraction", "value/mean", "value/rmse"))
+    # the critic learns: its error on the returns shrinks over 4 steps at lr 1e-3
+    assert a[-1]["value/rmse"] < a[0]["value/rmse"]
+    def stable(rows):
+        return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
+
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    assert stable(a[2:]) == stable(b[2:])  # critic weights, optimizer and schedule restored exactly
