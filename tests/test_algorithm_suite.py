@@ -593,3 +593,20 @@ def test_recipe_loads_and_validates(path):
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DistflowConfig), node))
     assert cfg.algorithm.name == os.path.splitext(os.path.basename(path))[0]
     cfg.validate()
+
+
+# ----------------------------------------------------------------------------- micro-batch planning
+
+def test_plan_micro_batches_groups_similar_lengths():
+    from distflow.update import plan_micro_batches
+
+    lengths = [50, 3, 40, 4, 45, 5, 200]
+    by_count = plan_micro_batches(lengths, size=3)
+    assert by_count == [[1, 3, 5], [2, 4, 0], [6]]  # sorted by length, then cut every 3
+    by_tokens = plan_micro_batches(lengths, size=3, token_budget=120)
+    # padded size (count x longest) within 120; the 200-token sequence alone
+    assert by_tokens == [[1, 3, 5], [2, 4], [0], [6]]
+    for plan in (by_count, by_tokens):
+        assert sorted(i for mb in plan for i in mb) == list(range(len(lengths)))
+    assert all(len(mb) == 1 or len(mb) * max(lengths[i] for i in mb) <= 120 for mb in by_tokens)
+    assert plan_micro_batches([], size=4) == [] and plan_micro_batches([], 4, 100) == []

@@ -32,6 +32,8 @@ def _worker(rank, world, model_dir, out_path):
     torch.manual_seed(0)
     cfg = DistflowConfig()
     cfg.optim.micro_batch_size = 3  # micro-batches of uneven size, and unequal counts per rank
+    # 2 ranks also split by token budget instead of count: how a batch is cut must not matter either
+    cfg.optim.micro_batch_tokens = 40 if world == 2 else 0
     policy = Policy(model_dir, cfg.model, cfg.optim, torch.device("cpu"), world)
     samples, adv, olds = fixed_batch()
     per = len(samples) // world

@@ -86,6 +86,9 @@ class OptimConfig:
     max_grad_norm: float = 1.0
     mini_batches: int = 1  # optimizer steps per rollout batch
     micro_batch_size: int = 8  # sequences per forward/backward
+    # > 0: micro-batches by token budget instead (sequences x longest, padding included);
+    # either way sequences of similar length are batched together.
+    micro_batch_tokens: int = 0
 
 
 @dataclass
@@ -182,6 +185,7 @@ class DistflowConfig:
             (r.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1"),
             (r.temperature > 0, "rollout.temperature must be > 0"),
             (o.micro_batch_size >= 1 and o.mini_batches >= 1, "optim.micro_batch_size and optim.mini_batches must be >= 1"),
+            (o.micro_batch_tokens >= 0, f"optim.micro_batch_tokens must be >= 0 (0 = off), got {o.micro_batch_tokens}"),
             (self.data.prompts_per_rank >= 1, "data.prompts_per_rank must be >= 1"),
             (self.trainer.steps >= 0, "trainer.steps must be >= 0"),
             (self.model.dtype in ("float32", "bfloat16", "float16"), f"model.dtype {self.model.dtype!r} unsupported"),

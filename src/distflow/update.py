@@ -32,21 +32,47 @@ def pad_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
     return out
 
 
-def micro_batches(samples: list[Sample], size: int, pad_id: int, device: torch.device,
-                  drop_truncated: bool = False) -> Iterator[tuple[int, TokenBatch, bool]]:
-    """(start index, batch, real) for this rank, padded to the global number of passes.
+def plan_micro_batches(lengths: list[int], size: int, token_budget: int = 0) -> list[list[int]]:
+    """Sample indices of each micro-batch, sequences of similar length together.
+
+    Sequences are ordered by length, so a micro-batch pads to a near neighbour instead of the
+    longest sequence of the rank. With token_budget > 0 a micro-batch grows while its padded
+    size (count x longest) stays within the budget (one longer sequence still gets its own);
+    otherwise it holds `size` sequences. The loss does not depend on the split (global normaliser).
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    if token_budget <= 0:
+        return [order[k : k + size] for k in range(0, len(order), size)]
+    plan: list[list[int]] = []
+    for i in order:
+        if plan and (len(plan[-1]) + 1) * lengths[i] <= token_budget:
+            plan[-1].append(i)
+        else:
+            plan.append([i])
+    return plan
+
+
+def micro_batches(samples: list[Sample], cfg: DistflowConfig, pad_id: int, device: torch.device,
+                  drop_truncated: bool = False) -> Iterator[tuple[list[int], TokenBatch, bool]]:
+    """(sample indices, batch, real) for this rank, padded to the global number of passes.
 
     Padding passes reuse the first micro-batch (or a one-token dummy on an empty rank) and
     must contribute nothing: callers weight them by 0 and drop their outputs.
     """
-    n_real = (len(samples) + size - 1) // size
-    n_passes = int(all_reduce(n_real, "max"))
+    o = cfg.optim
+    plan = plan_micro_batches([len(s.prompt_ids) + len(s.response_ids) for s in samples], o.micro_batch_size,
+                              o.micro_batch_tokens)
+    n_passes = int(all_reduce(len(plan), "max"))
     dummy = [Sample([pad_id], [pad_id], [0.0], False)]
     for k in range(n_passes):
-        real = k < n_real
-        start = k * size if real else 0
-        chunk = samples[start : start + size] if real else (samples[:size] or dummy)
-        yield start, TokenBatch.from_samples(chunk, pad_id, device, drop_truncated), real
+        real = k < len(plan)
+        idx = plan[k] if real else (plan[0] if plan else [])
+        chunk = [samples[i] for i in idx] or dummy
+        yield idx, TokenBatch.from_samples(chunk, pad_id, device, drop_truncated), real
+
+
+def pick(per_sample: list | None, idx: list[int]) -> list | None:
+    return [per_sample[i] for i in idx] if per_sample is not None else None
 
 
 @torch.no_grad()
@@ -54,12 +80,12 @@ def per_sample_rows(forward: Callable[[TokenBatch], torch.Tensor], samples: list
                     pad_id: int, device: torch.device) -> list[torch.Tensor]:
     """forward(batch) -> [B, R] per response token, cut into one 1-D tensor per sample, in as
     many passes as any rank."""
-    out: list[torch.Tensor] = []
-    for _, mb, real in micro_batches(samples, cfg.optim.micro_batch_size, pad_id, device):
+    out: list[torch.Tensor | None] = [None] * len(samples)
+    for idx, mb, real in micro_batches(samples, cfg, pad_id, device):
         rows = forward(mb)
         if real:
-            lengths = mb.resp_mask.sum(-1).long().tolist()
-            out += [rows[i, :n] for i, n in enumerate(lengths)]
+            for j, i in enumerate(idx):
+                out[i] = rows[j, : len(samples[i].response_ids)]
     return out
 
 
@@ -89,22 +115,22 @@ def backward_policy_loss(
     then the detached current logprobs are used and the ratio is exactly 1.
     """
     a, device, world = cfg.algorithm, policy.device, torch.distributed.get_world_size()
-    batches = list(micro_batches(samples, cfg.optim.micro_batch_size, pad_id, device, a.overlong_filter))
+    batches = list(micro_batches(samples, cfg, pad_id, device, a.overlong_filter))
     denom = _global_denominator(batches, a.loss_agg_mode)
     stats = {"loss": 0.0, "clip_low": 0.0, "clip_high": 0.0, "dual_clip": 0.0, "tokens": 0.0,
              "kl": 0.0, "entropy": 0.0, "tis_weight": 0.0}
-    for start, mb, real in batches:
-        rows = slice(start, start + mb.input_ids.shape[0])
+    for idx, mb, real in batches:
         logp, entropy = policy.forward(mb, cfg.rollout.temperature, with_entropy=a.entropy_coef != 0)
         width = logp.shape[1]
-        adv = advantages[rows].to(device) if real else torch.zeros(mb.input_ids.shape[0], device=device)
+        adv = advantages[idx].to(device) if real else torch.zeros(mb.input_ids.shape[0], device=device)
         if adv.dim() == 2:  # token-level (GAE): rows are left-aligned like the response mask
             adv = pad_rows(list(adv), width) if real else torch.zeros_like(logp)
-        old = logp.detach() if old_logprobs is None or not real else pad_rows(old_logprobs[rows], width)
+        old = logp.detach() if old_logprobs is None or not real else pad_rows(pick(old_logprobs, idx), width)
         engine = None
         if a.tis_cap is not None:
-            engine = pad_rows([torch.tensor(s.logprobs, device=device) for s in samples[rows]], width) if real else old
-        ref = pad_rows(ref_logprobs[rows], width) if (ref_logprobs is not None and real) else (old if a.kl_coef > 0 else None)
+            engine = pad_rows([torch.tensor(samples[i].logprobs, device=device) for i in idx], width) if real else old
+        ref = (pad_rows(pick(ref_logprobs, idx), width) if (ref_logprobs is not None and real)
+               else (old if a.kl_coef > 0 else None))
         token_loss, info = compute_token_loss(logp, old, adv, mb.resp_mask, a,
                                               engine_logp=engine, ref_logp=ref, entropy=entropy)
         num = aggregate_numerator(token_loss, mb.resp_mask, a.loss_agg_mode, cfg.rollout.max_new_tokens)
@@ -124,15 +150,14 @@ def backward_value_loss(critic: Critic, samples: list[Sample], old_values: list[
     """The critic's counterpart of backward_policy_loss: clipped value loss, aggregated with the
     algorithm's loss_agg_mode over the global mini-batch, same passes on every rank."""
     a, device, world = cfg.algorithm, critic.device, torch.distributed.get_world_size()
-    batches = list(micro_batches(samples, cfg.optim.micro_batch_size, pad_id, device))
+    batches = list(micro_batches(samples, cfg, pad_id, device))
     denom = _global_denominator(batches, a.loss_agg_mode)
     stats = {"value_loss": 0.0, "value_clipped": 0.0, "value_sq_error": 0.0, "value_tokens": 0.0, "value_sum": 0.0}
-    for start, mb, real in batches:
-        rows = slice(start, start + mb.input_ids.shape[0])
+    for idx, mb, real in batches:
         values = critic.values(mb)
         width = values.shape[1]
-        old = pad_rows(old_values[rows], width).to(device) if real else values.detach()
-        ret = pad_rows(returns[rows], width).to(device) if real else values.detach()
+        old = pad_rows(pick(old_values, idx), width).to(device) if real else values.detach()
+        ret = pad_rows(pick(returns, idx), width).to(device) if real else values.detach()
         token_loss, info = value_loss(values, old, ret, mb.resp_mask, cfg.critic.value_clip)
         num = aggregate_numerator(token_loss, mb.resp_mask, a.loss_agg_mode, cfg.rollout.max_new_tokens)
         (num * (world / denom if real else 0.0)).backward()
