@@ -87,3 +87,13 @@ def test_engines_smoke(tmp_path):
     for key in ("vllm_tokens_per_s", "hf_tokens_per_s", "ratio_median"):
         assert _positive(rec[key]), key
     assert set(rec["batch_shape"]) >= {"prompts_per_rank", "group_size", "max_new_tokens"}
+
+
+def test_balance_smoke(tmp_path):
+    out = run_bench("balance", tmp_path)
+    rec = out["records"][0]
+    for name in ("off", "on"):
+        for key in ("update_max_s_median", "update_min_s_median", "update_max_over_min", "tokens_per_s"):
+            assert _positive(rec[name][key]), (name, key)
+    # the task is skewed by construction, and the balancer evens it out
+    assert rec["tokens_spread_before"] > 1.5 and rec["tokens_spread_after"] < rec["tokens_spread_before"]

@@ -144,8 +144,12 @@ class TrainerConfig:
     backend: str = "auto"  # auto | gloo | nccl
     device: str = "auto"  # auto | cpu | cuda
     collective_timeout_s: float = 600.0
+    # Move whole groups between ranks after rollout so every rank trains on about as many
+    # tokens (distflow.balance); results are the same either way, only the slowest rank changes.
+    balance_lengths: bool = False
     # Sequences of each step used to check engine logprobs against the policy after resync.
     sync_probe_seqs: int = 2
+    sync_probe_every: int = 1  # steps between probes (the probe is a forward pass in both engine and policy)
     progress_bar: bool = True
     loggers: List[str] = field(default_factory=lambda: ["console", "jsonl"])  # + wandb, tensorboard
     wandb_project: str = "distflow"
@@ -188,6 +192,7 @@ class DistflowConfig:
             (o.micro_batch_tokens >= 0, f"optim.micro_batch_tokens must be >= 0 (0 = off), got {o.micro_batch_tokens}"),
             (self.data.prompts_per_rank >= 1, "data.prompts_per_rank must be >= 1"),
             (self.trainer.steps >= 0, "trainer.steps must be >= 0"),
+            (self.trainer.sync_probe_every >= 1, "trainer.sync_probe_every must be >= 1"),
             (self.model.dtype in ("float32", "bfloat16", "float16"), f"model.dtype {self.model.dtype!r} unsupported"),
             (a.overlong_buffer_len < r.max_new_tokens,
              f"algorithm.overlong_buffer_len={a.overlong_buffer_len} must be < rollout.max_new_tokens={r.max_new_tokens}"),

@@ -32,18 +32,22 @@ LOGGERS = ("console", "jsonl", "wandb", "tensorboard")
 DEFAULT_LOGGERS = ("console", "jsonl")
 
 
-def reduce_step_metrics(sums: dict[str, float], maxima: dict[str, float]) -> dict[str, float]:
-    """Global sums and maxima of per-rank values; the same dict on every rank.
+def reduce_step_metrics(sums: dict[str, float], maxima: dict[str, float],
+                        minima: dict[str, float] | None = None) -> dict[str, float]:
+    """Global sums, maxima and minima of per-rank values; the same dict on every rank.
 
-    Keys must be identical (and in the same order) on every rank.
+    Keys must be identical (and in the same order) on every rank. Minima ride in the maxima's
+    all_reduce, negated, so they cost no extra collective.
     """
     out: dict[str, float] = {}
     if sums:
         total = all_reduce(list(sums.values()), "sum").tolist()
         out.update(zip(sums.keys(), total))
-    if maxima:
-        top = all_reduce(list(maxima.values()), "max").tolist()
+    minima = minima or {}
+    if maxima or minima:
+        top = all_reduce([*maxima.values(), *(-v for v in minima.values())], "max").tolist()
         out.update(zip(maxima.keys(), top))
+        out.update(zip(minima.keys(), (-v for v in top[len(maxima):])))
     return out
 
 

@@ -28,6 +28,7 @@ from transformers import AutoTokenizer
 
 from distflow.algorithms import (ADVANTAGE_ESTIMATORS, CRITIC_ESTIMATORS, dynamic_sampling_keep, overlong_penalty,
                                   token_kl)
+from distflow.balance import balance_groups
 from distflow.checkpoint import Checkpointer, ModelOptimState, resolve_resume, rng_state, set_rng_state
 from distflow.config import ConfigError, DistflowConfig
 from distflow.data.prompts import PromptItem, load_prompts
@@ -63,6 +64,18 @@ class Rollouts:
     rounds: int = 0
     generated_groups: int = 0
     scoring: Future | None = None  # rewards still being scored in the background
+    balance_stats: dict[str, float] = field(default_factory=dict)
+
+    def groups(self, group_size: int) -> list[tuple]:
+        """(item, its samples, its rewards row or None) per prompt: the unit that moves between ranks."""
+        return [(item, self.samples[g * group_size : (g + 1) * group_size],
+                 self.rewards[g] if self.rewards is not None else None) for g, item in enumerate(self.items)]
+
+    def set_groups(self, groups: list[tuple], group_size: int) -> None:
+        self.items = [item for item, _, _ in groups]
+        self.samples = [s for _, samples, _ in groups for s in samples]
+        if self.rewards is not None:
+            self.rewards = torch.stack([r for _, _, r in groups]) if groups else torch.zeros((0, group_size))
 
     def keep_groups(self, other: "Rollouts", keep: torch.Tensor, group_size: int) -> None:
         """Append the groups of `other` selected by the boolean mask `keep`."""
@@ -169,6 +182,7 @@ class Trainer:
         if not a.dynamic_sampling:
             with _timed(timing, "generate"):
                 batch = self.generate(per_rank)
+            self.balance(batch, timing)
             # scored in the reward pool's processes while this one computes logprobs
             batch.scoring = self.scoring_thread.submit(self.score, batch)
             batch.rounds, batch.generated_groups = 1, len(batch.items)
@@ -188,7 +202,19 @@ class Trainer:
                 break
         if kept.rewards is None:
             kept.rewards = torch.zeros((0, a.group_size))
+        self.balance(kept, timing)
         return kept
+
+    def balance(self, batch: Rollouts, timing: dict[str, float]) -> None:
+        """trainer.balance_lengths: move whole groups between ranks so each holds about as many
+        tokens (prompt + response), since the update waits for the rank with the most."""
+        if not self.cfg.trainer.balance_lengths:
+            return
+        with _timed(timing, "balance"):
+            groups = batch.groups(self.cfg.algorithm.group_size)
+            costs = [sum(len(s.prompt_ids) + len(s.response_ids) for s in samples) for _, samples, _ in groups]
+            moved, batch.balance_stats = balance_groups(groups, costs, self.dist.device)
+            batch.set_groups(moved, self.cfg.algorithm.group_size)
 
     def generate(self, n_prompts: int) -> Rollouts:
         idx = self.sampler.next_indices(n_prompts)
@@ -290,8 +316,8 @@ class Trainer:
     @torch.no_grad()
     def probe_sync(self, batch: Rollouts) -> float:
         """Max |engine - policy| logprob on this step's sequences, after the resync."""
-        n = self.cfg.trainer.sync_probe_seqs
-        if n == 0:
+        n, every = self.cfg.trainer.sync_probe_seqs, self.cfg.trainer.sync_probe_every
+        if n == 0 or self.step % every:
             return float("nan")
         samples = batch.samples[:n] or [Sample([self.pad_id], [self.pad_id], [], False)]
         seqs = [s.prompt_ids + s.response_ids for s in samples]
@@ -403,7 +429,7 @@ class Trainer:
         maxima = {f"timing/{k}_s": v for k, v in timing.items()}
         maxima.update({"response_length/max": float(max(resp_lens)), "sync/max_abs_logprob_diff": probe,
                        "dynamic_sampling/rounds": float(batch.rounds)})
-        g = reduce_step_metrics(sums, maxima)
+        g = reduce_step_metrics(sums, maxima, {"timing/update_min_s": timing.get("update", 0.0)})
         n, trained = max(g["samples"], 1.0), max(g["upd/tokens"], 1.0)
         out = {
             "step": self.step,
@@ -437,6 +463,8 @@ class Trainer:
             out["value/rmse"] = (g["upd/value_sq_error"] / values) ** 0.5
             out["critic/grad_norm"] = upd.get("critic_grad_norm", 0.0)
             out["update/actor_skipped"] = upd.get("actor_skipped", 0.0)
+        if self.cfg.trainer.balance_lengths:
+            out.update({f"balance/{k}": v for k, v in batch.balance_stats.items()})
         if a.dynamic_sampling:
             out["dynamic_sampling/kept_groups"] = g["kept_groups"]
             out["dynamic_sampling/generated_groups"] = g["generated_groups"]
