@@ -65,6 +65,7 @@ class VLLMEngine:
             max_tokens=self.cfg.max_new_tokens,
             logprobs=0,
             seed=seed,
+            detokenize=False,  # training needs token ids only; rewards decode what they need
         )
 
     def generate(self, prompts: list[list[int]], n: int, seeds: list[int], greedy: bool = False) -> list[list[Sample]]:
@@ -87,7 +88,7 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         # prompt_logprobs is computed from raw logits (temperature does not apply to prompts).
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=False)
         return [[d[t].logprob for d, t in zip(o.prompt_logprobs[1:], s[1:])] for o, s in zip(outs, seqs)]
 
