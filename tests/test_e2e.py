@@ -77,3 +77,8 @@ def test_empty_dataset_fails_on_every_rank(tmp_path):
     data.write_text("")
     proc = _fail_run(["task=jsonl", f"task.path={data}"], tmp_path)
     _assert_clean_failure(proc, "has no rows")
+
+
+def test_shard_ranks_that_do_not_divide_the_world_fail_on_every_rank(tmp_path):
+    proc = _fail_run(["model.shard_ranks=3"], tmp_path)
+    _assert_clean_failure(proc, "distflow: error: model.shard_ranks=3 does not divide the world size 2")

@@ -1,10 +1,11 @@
 """The FSDP2 policy's loss and gradients do not depend on how the global batch is sharded.
 
 The same fixed global batch is processed on 1 rank and split over 2 ranks (real gloo process
-groups, real FSDP2); losses and full gradients must agree to rel. 1e-5 for every loss
-aggregation mode, with and without an active importance ratio.
+groups, real FSDP2, fully sharded or replicated); losses and full gradients must agree to rel.
+1e-5 for every loss aggregation mode, with and without an active importance ratio.
 """
 
+import pytest
 import torch
 
 from dist_helpers import run_distributed
@@ -28,10 +29,11 @@ def fixed_batch(vocab: int = 200, n: int = 8):
     return samples, adv, olds
 
 
-def _worker(rank, world, model_dir, out_path):
+def _worker(rank, world, model_dir, out_path, shard_ranks=-1):
     torch.manual_seed(0)
     cfg = DistflowConfig()
     cfg.optim.micro_batch_size = 3  # micro-batches of uneven size, and unequal counts per rank
+    cfg.model.shard_ranks = shard_ranks
     # 2 ranks also split by token budget instead of count: how a batch is cut must not matter either
     cfg.optim.micro_batch_tokens = 40 if world == 2 else 0
     policy = Policy(model_dir, cfg.model, cfg.optim, torch.device("cpu"), world)
@@ -58,9 +60,10 @@ def _perturbed_current(policy, samples, noise):
     return [lp[i, : len(s.response_ids)] + noise[i] for i, s in enumerate(samples)]
 
 
-def test_sharded_loss_and_gradients_equal_single_process(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("shard_ranks", [-1, 1], ids=["fsdp", "replicated"])
+def test_sharded_loss_and_gradients_equal_single_process(tiny_model_dir, tmp_path, shard_ranks):
     run_distributed(_worker, 1, tiny_model_dir, str(tmp_path / "w1.pt"))
-    run_distributed(_worker, 2, tiny_model_dir, str(tmp_path / "w2.pt"))
+    run_distributed(_worker, 2, tiny_model_dir, str(tmp_path / "w2.pt"), shard_ranks)
     one, two = torch.load(tmp_path / "w1.pt", weights_only=True), torch.load(tmp_path / "w2.pt", weights_only=True)
     assert one.keys() == two.keys()
     for key in one:

@@ -23,6 +23,9 @@ class ModelConfig:
     path: str = "tiny"
     dtype: str = "float32"  # float32 on CPU (no fast bf16 there); bfloat16 on GPU
     trust_remote_code: bool = False
+    # FSDP2 shards parameters over groups of this many ranks and replicates across groups
+    # (HSDP). -1 = all ranks (plain FSDP); 1 = full replicas, gradients all-reduced (DDP-like).
+    shard_ranks: int = -1
 
 
 @dataclass
@@ -194,6 +197,8 @@ class DistflowConfig:
             (self.trainer.steps >= 0, "trainer.steps must be >= 0"),
             (self.trainer.sync_probe_every >= 1, "trainer.sync_probe_every must be >= 1"),
             (self.model.dtype in ("float32", "bfloat16", "float16"), f"model.dtype {self.model.dtype!r} unsupported"),
+            (self.model.shard_ranks == -1 or self.model.shard_ranks >= 1,
+             f"model.shard_ranks must be -1 (all ranks) or >= 1, got {self.model.shard_ranks}"),
             (a.overlong_buffer_len < r.max_new_tokens,
              f"algorithm.overlong_buffer_len={a.overlong_buffer_len} must be < rollout.max_new_tokens={r.max_new_tokens}"),
             (c.enabled or a.advantage not in CRITIC_ESTIMATORS,

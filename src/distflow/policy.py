@@ -77,6 +77,16 @@ def response_window_index(batch: TokenBatch) -> torch.Tensor:
     return (width - batch.resp_len[:, None] + t).clamp(max=width - 1)
 
 
+def data_parallel_mesh(device: torch.device, world_size: int, shard_ranks: int):
+    """FSDP2's mesh: parameters sharded over groups of `shard_ranks` ranks (-1 = all, plain FSDP)
+    and replicated across groups (HSDP; 1 = every rank holds everything, gradients all-reduced
+    as in DDP). Small models on slow links gain from fewer parameter gathers."""
+    shard = world_size if shard_ranks == -1 else shard_ranks
+    if shard == world_size:
+        return init_device_mesh(device.type, (world_size,))
+    return init_device_mesh(device.type, (world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
+
+
 class ShardedModel:
     """An HF model sharded with FSDP2 (each decoder block, then the root), its AdamW optimizer
     and linear-warm-up LR schedule. trainable=False freezes it and builds no optimizer."""
@@ -85,7 +95,7 @@ class ShardedModel:
                  world_size: int, trainable: bool = True, lr: float | None = None, warmup_steps: int | None = None):
         self.device = device
         model.config.use_cache = False
-        mesh = init_device_mesh(device.type, (world_size,))
+        mesh = data_parallel_mesh(device, world_size, model_cfg.shard_ranks)
         compute = getattr(torch, model_cfg.dtype)
         mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute != torch.float32 else MixedPrecisionPolicy()
         for block in _decoder_blocks(model):

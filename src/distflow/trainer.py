@@ -98,6 +98,9 @@ class Trainer:
         t, a = cfg.trainer, cfg.algorithm
         # Order matters: process group, then engine (reuses it), then the FSDP policy.
         self.dist = init_distributed(t.backend, t.device, t.collective_timeout_s)
+        if cfg.model.shard_ranks > 0 and self.dist.world_size % cfg.model.shard_ranks:
+            raise ConfigError(f"model.shard_ranks={cfg.model.shard_ranks} does not divide the world size "
+                              f"{self.dist.world_size}")
         check_same_config(cfg, t.output_dir, self.dist.is_main)
         random.seed(t.seed)
         np.random.seed(t.seed)
