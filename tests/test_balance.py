@@ -249,15 +249,15 @@ def test_balance_lengths_end_to_end_moves_groups_and_keeps_the_step(tmp_path):
     rows = {}
     for on in (False, True):
         out = tmp_path / f"run_{on}"
-        # (the same runs also check trainer.sync_probe_every: probes on even steps only)
-        proc = torchrun(["experiment=smoke", "rollout=hf", "trainer.steps=2", "trainer.sync_probe_every=2",
+        # (the same runs also check trainer.sync_probe_every: probes at step 1, then every 5)
+        proc = torchrun(["experiment=smoke", "rollout=hf", "trainer.steps=2", "trainer.sync_probe_every=5",
                          f"trainer.output_dir={out}",
                          "trainer.plot_at_end=false", f"trainer.balance_lengths={str(on).lower()}",
                          "task=jsonl", f"task.path={data}", "data.shuffle=false", "rollout.max_prompt_tokens=256",
                          "task.reward=rewards_for_tests:digit_fraction"])
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         metrics = read_metrics(out)
-        assert math.isnan(metrics[0]["sync/max_abs_logprob_diff"]) and metrics[1]["sync/max_abs_logprob_diff"] <= 1e-5
+        assert metrics[0]["sync/max_abs_logprob_diff"] <= 1e-5 and math.isnan(metrics[1]["sync/max_abs_logprob_diff"])
         rows[on] = metrics[0]
     on, off = rows[True], rows[False]
     assert on["balance/moved_groups"] > 0

@@ -152,7 +152,9 @@ class TrainerConfig:
     balance_lengths: bool = False
     # Sequences of each step used to check engine logprobs against the policy after resync.
     sync_probe_seqs: int = 2
-    sync_probe_every: int = 1  # steps between probes (the probe is a forward pass in both engine and policy)
+    # Probe at step 1 and every N steps: a forward pass in both engine and policy (~10% of a
+    # SmolLM2 step on CPU), so not every step by default.
+    sync_probe_every: int = 10
     progress_bar: bool = True
     loggers: List[str] = field(default_factory=lambda: ["console", "jsonl"])  # + wandb, tensorboard
     wandb_project: str = "distflow"

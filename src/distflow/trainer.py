@@ -320,7 +320,7 @@ class Trainer:
     def probe_sync(self, batch: Rollouts) -> float:
         """Max |engine - policy| logprob on this step's sequences, after the resync."""
         n, every = self.cfg.trainer.sync_probe_seqs, self.cfg.trainer.sync_probe_every
-        if n == 0 or self.step % every:
+        if n == 0 or (self.step % every and self.step != 1):
             return float("nan")
         samples = batch.samples[:n] or [Sample([self.pad_id], [self.pad_id], [], False)]
         seqs = [s.prompt_ids + s.response_ids for s in samples]
