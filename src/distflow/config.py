@@ -149,7 +149,8 @@ class TrainerConfig:
     collective_timeout_s: float = 600.0
     # Move whole groups between ranks after rollout so every rank trains on about as many
     # tokens (distflow.balance); results are the same either way, only the slowest rank changes.
-    balance_lengths: bool = False
+    # When nothing would improve, it costs one all_reduce and one small all_gather.
+    balance_lengths: bool = True
     # Sequences of each step used to check engine logprobs against the policy after resync.
     sync_probe_seqs: int = 2
     # Probe at step 1 and every N steps: a forward pass in both engine and policy (~10% of a
