@@ -259,7 +259,7 @@ class Trainer:
             lens = torch.tensor([len(s.response_ids) for s in batch.samples], dtype=torch.float32)
             rewards += overlong_penalty(lens, r.max_new_tokens, a.overlong_buffer_len, a.overlong_penalty).view_as(rewards)
         width = max([1] + [len(s.response_ids) for s in batch.samples])
-        mask = pad_rows([torch.ones(len(s.response_ids)) for s in batch.samples], width) if batch.samples else None
+        mask = pad_rows([torch.ones(len(s.response_ids)) for s in batch.samples], width)
         kl = None
         if a.kl_coef > 0 and a.kl_in_reward and batch.samples:
             old, ref = pad_rows(batch.old_logprobs, width).cpu(), pad_rows(batch.ref_logprobs, width).cpu()
@@ -269,8 +269,7 @@ class Trainer:
                 rewards -= kl.sum(-1).view_as(rewards)
             batch.advantages = self.advantage_fn(rewards, a, global_sum).reshape(-1)
             return
-        values = pad_rows(batch.values, width).cpu() if batch.samples else torch.zeros((0, 1))
-        adv, returns = self.advantage_fn(rewards.reshape(-1), values, mask if mask is not None else values, a,
+        adv, returns = self.advantage_fn(rewards.reshape(-1), pad_rows(batch.values, width).cpu(), mask, a,
                                          global_sum, token_penalty=kl)
         batch.advantages = adv
         batch.returns = [returns[i, : len(s.response_ids)] for i, s in enumerate(batch.samples)]

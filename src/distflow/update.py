@@ -24,7 +24,10 @@ from distflow.rollout.base import Sample
 
 
 def pad_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
-    """Stack 1-D per-sample tensors into [len(rows), width], zero-padded or cut."""
+    """Stack 1-D per-sample tensors into [len(rows), width], zero-padded or cut ([0, width] float
+    when there are none: a rank may hold no samples)."""
+    if not rows:
+        return torch.zeros((0, width))
     out = torch.zeros((len(rows), width), dtype=rows[0].dtype, device=rows[0].device)
     for i, r in enumerate(rows):
         n = min(width, r.shape[0])
@@ -94,7 +97,7 @@ def per_sample_logprobs(policy: Policy, samples: list[Sample], cfg: DistflowConf
     return per_sample_rows(lambda mb: policy.logprobs(mb, cfg.rollout.temperature), samples, cfg, pad_id, policy.device)
 
 
-def _global_denominator(batches: list[tuple[int, TokenBatch, bool]], mode: str) -> float:
+def _global_denominator(batches: list[tuple[list[int], TokenBatch, bool]], mode: str) -> float:
     """The loss normaliser of the whole global mini-batch (summed over ranks), at least 1."""
     local = sum(aggregate_denominator(mb.resp_mask, mode) for _, mb, real in batches if real)
     return max(float(all_reduce(local)), 1.0)
