@@ -35,6 +35,18 @@ def test_every_recipe_config_composes_and_validates(group, name):
     cfg.validate()
 
 
+@pytest.mark.parametrize("override,needle", [
+    ("optim.micro_batch_tokens=-1", "optim.micro_batch_tokens must be >= 0"),
+    ("trainer.sync_probe_every=0", "trainer.sync_probe_every must be >= 1"),
+    ("model.shard_ranks=0", "model.shard_ranks must be -1"),
+])
+def test_out_of_range_performance_knobs_are_rejected(override, needle):
+    from distflow.config import ConfigError
+
+    with pytest.raises(ConfigError, match=needle):
+        _compose([override]).validate()
+
+
 def test_wrong_type_is_rejected():
     with pytest.raises(Exception, match="steps"):
         _compose(["trainer.steps=many"])
