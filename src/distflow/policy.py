@@ -107,11 +107,14 @@ class ShardedModel:
             self.model.requires_grad_(False)
             self.optimizer = self.scheduler = None
             return
+        # fused: one kernel over all parameters, 3-4x faster than foreach on a 135M-parameter
+        # CPU model (bench/README.md); works on DTensor shards and on CUDA alike.
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=optim.lr if lr is None else lr,
             betas=(optim.beta1, optim.beta2),
             weight_decay=optim.weight_decay,
+            fused=True,
         )
         warmup = optim.warmup_steps if warmup_steps is None else warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
