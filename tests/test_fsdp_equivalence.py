@@ -5,6 +5,8 @@ groups, real FSDP2, fully sharded or replicated); losses and full gradients must
 1e-5 for every loss aggregation mode, with and without an active importance ratio.
 """
 
+import sys
+
 import pytest
 import torch
 
@@ -74,3 +76,38 @@ def test_sharded_loss_and_gradients_equal_single_process(tiny_model_dir, tmp_pat
             scale = g1[name].abs().max().clamp(min=1e-12)
             rel = float((g1[name] - g2[name]).abs().max() / scale)
             assert rel <= 1e-5, (key, name, rel)
+
+
+def _count_replica_all_reduces(rank, world, model_dir, out_path):
+    """backward_policy_loss over several micro-batches on a replicated mesh, counting FSDP's
+    gradient all-reduces across replicas (all_reduce calls made from inside torch's FSDP package)."""
+    cfg = DistflowConfig()
+    cfg.model.shard_ranks = 1
+    cfg.optim.micro_batch_size = 1
+    policy = Policy(model_dir, cfg.model, cfg.optim, torch.device("cpu"), world)
+    samples, adv, _ = fixed_batch()
+    calls = []
+    real_all_reduce = torch.distributed.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        if "fsdp" in sys._getframe(1).f_globals.get("__name__", ""):
+            calls.append(tensor.numel())
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    torch.distributed.all_reduce = counting
+    try:
+        backward_policy_loss(policy, samples[rank::world], adv[rank::world], None, cfg, pad_id=0)
+    finally:
+        torch.distributed.all_reduce = real_all_reduce
+    if rank == 0:
+        n_params = sum(p.numel() for p in policy.model.parameters())
+        torch.save({"calls": calls, "n_params": n_params}, out_path)
+
+
+def test_replicated_gradients_cross_ranks_once_per_mini_batch(tiny_model_dir, tmp_path):
+    """4 micro-batches per rank, yet every gradient is all-reduced exactly once: accumulation
+    stays local until the mini-batch's last backward."""
+    run_distributed(_count_replica_all_reduces, 2, tiny_model_dir, str(tmp_path / "calls.pt"))
+    out = torch.load(tmp_path / "calls.pt", weights_only=True)
+    assert out["calls"], "no all-reduce across replicas was seen"
+    assert sum(out["calls"]) == out["n_params"], out

@@ -128,6 +128,14 @@ class ShardedModel:
         if not torch.is_grad_enabled():
             self.model.reshard()
 
+    def all_reduce_gradients(self, enabled: bool) -> None:
+        """Whether the next backward all-reduces gradients across replicas (HSDP's replicate
+        dimension). Off for all but a mini-batch's last micro-batch: gradients accumulate
+        locally and cross the link once per optimizer step, not once per micro-batch. Shards
+        are still reduce-scattered every pass, so memory does not grow; on a plain FSDP mesh
+        there is no replicate dimension and this changes nothing."""
+        self.model.set_requires_all_reduce(enabled, recurse=True)
+
     def step(self) -> float:
         """Clip gradients, take one optimizer step; returns the pre-clip global grad norm."""
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)

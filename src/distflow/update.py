@@ -122,7 +122,8 @@ def backward_policy_loss(
     denom = _global_denominator(batches, a.loss_agg_mode)
     stats = {"loss": 0.0, "clip_low": 0.0, "clip_high": 0.0, "dual_clip": 0.0, "tokens": 0.0,
              "kl": 0.0, "entropy": 0.0, "tis_weight": 0.0}
-    for idx, mb, real in batches:
+    for k, (idx, mb, real) in enumerate(batches):
+        policy.all_reduce_gradients(k == len(batches) - 1)
         logp, entropy = policy.forward(mb, cfg.rollout.temperature, with_entropy=a.entropy_coef != 0)
         width = logp.shape[1]
         adv = advantages[idx].to(device) if real else torch.zeros(mb.input_ids.shape[0], device=device)
@@ -156,7 +157,8 @@ def backward_value_loss(critic: Critic, samples: list[Sample], old_values: list[
     batches = list(micro_batches(samples, cfg, pad_id, device))
     denom = _global_denominator(batches, a.loss_agg_mode)
     stats = {"value_loss": 0.0, "value_clipped": 0.0, "value_sq_error": 0.0, "value_tokens": 0.0, "value_sum": 0.0}
-    for idx, mb, real in batches:
+    for k, (idx, mb, real) in enumerate(batches):
+        critic.all_reduce_gradients(k == len(batches) - 1)
         values = critic.values(mb)
         width = values.shape[1]
         old = pad_rows(pick(old_values, idx), width).to(device) if real else values.detach()
