@@ -97,3 +97,13 @@ def test_balance_smoke(tmp_path):
             assert _positive(rec[name][key]), (name, key)
     # the task is skewed by construction, and the balancer evens it out
     assert rec["tokens_spread_before"] > 1.5 and rec["tokens_spread_after"] < rec["tokens_spread_before"]
+
+
+def test_update_smoke(tmp_path):
+    out = run_bench("update", tmp_path)
+    rec = out["records"][0]
+    assert rec["processes"] == 2 and rec["seqs_per_rank"] > rec["micro_batch_size"]  # several micro-batches
+    for variant in out["variants"]:
+        for key in ("backward_s", "optimizer_s", "update_s"):
+            assert _positive(rec["median_s"][variant][key]), (variant, key)
+    assert _positive(rec["speedup_fused"]) and _positive(rec["speedup_default"])

@@ -1,0 +1,138 @@
+"""Update-phase levers, A/B in one run: the optimizer implementation (fused AdamW vs foreach) and
+when replicas all-reduce gradients (once per mini-batch vs after every micro-batch).
+
+Each configuration runs under `torchrun --standalone --nproc_per_node N` with the model recipe's
+FSDP layout (the built-in models replicate: `model.shard_ranks=1`). Every rank builds the FSDP2
+policy and a fixed batch of arithmetic-sized sequences, then times one optimizer step
+(`update.backward_policy_loss` over the rank's micro-batches + `Policy.step`), slowest rank,
+cycling through the variants so machine noise hits all of them alike:
+
+    baseline   foreach AdamW, gradients all-reduced after every micro-batch (distflow before)
+    fused      fused AdamW,   gradients all-reduced after every micro-batch
+    default    fused AdamW,   gradients all-reduced once per mini-batch (distflow now)
+
+    .venv/bin/python bench/update.py                          # tiny + smollm2_135m, 1 and 2 processes
+    .venv/bin/python bench/update.py --models smollm2_135m --nprocs 2 --iters 6
+    .venv/bin/python bench/update.py --smoke --results-dir /tmp/r
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+VARIANTS = ("baseline", "fused", "default")
+
+
+def worker(a) -> None:
+    import torch
+    from omegaconf import OmegaConf
+
+    from distflow.config import DistflowConfig
+    from distflow.distributed import all_reduce, barrier, init_distributed, shutdown
+    from distflow.models.tiny import resolve_model_path
+    from distflow.policy import Policy
+    from distflow.rollout.base import Sample
+    from distflow.update import backward_policy_loss
+
+    cfg = DistflowConfig()
+    cfg.model.shard_ranks = int(OmegaConf.load(f"{a.recipes}/model/{a.model}.yaml").get("shard_ranks", -1))
+    cfg.optim.micro_batch_size, cfg.optim.lr = a.micro_batch_size, 1e-6
+    info = init_distributed("gloo", "cpu")
+    policy = Policy(resolve_model_path(a.model), cfg.model, cfg.optim, info.device, info.world_size)
+    vocab = policy.model.config.vocab_size
+    g = torch.Generator().manual_seed(1000 + info.rank)
+    samples = []
+    for i in range(a.seqs):  # prompt ~ a chat-templated arithmetic question, response up to 32 tokens
+        p_len, r_len = 40 + i % 9, 16 + (7 * i) % 17
+        ids = torch.randint(3, vocab, (p_len + r_len,), generator=g).tolist()
+        samples.append(Sample(ids[:p_len], ids[p_len:], [0.0] * r_len, False))
+    adv = torch.randn(len(samples), generator=g)
+
+    params = list(policy.model.parameters())
+    optimizers = {"fused": policy.optimizer,
+                  "foreach": torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, foreach=True)}
+    every_pass = policy.all_reduce_gradients
+
+    def one_update(variant: str) -> float:
+        policy.optimizer = optimizers["foreach" if variant == "baseline" else "fused"]
+        policy.all_reduce_gradients = (lambda enabled: every_pass(True)) if variant != "default" else every_pass
+        barrier()
+        t0 = time.perf_counter()
+        backward_policy_loss(policy, samples, adv, None, cfg, pad_id=0)
+        t1 = time.perf_counter()
+        policy.step()
+        t2 = time.perf_counter()
+        return float(all_reduce(t1 - t0, "max")), float(all_reduce(t2 - t1, "max")), float(all_reduce(t2 - t0, "max"))
+
+    times = {v: {"backward_s": [], "optimizer_s": [], "update_s": []} for v in VARIANTS}
+    for v in VARIANTS:  # warm-up: optimizer state, allocator
+        one_update(v)
+    for i in range(a.iters):
+        order = VARIANTS if i % 2 == 0 else VARIANTS[::-1]
+        for v in order:
+            for key, t in zip(("backward_s", "optimizer_s", "update_s"), one_update(v)):
+                times[v][key].append(t)
+    if info.rank == 0:
+        with open(a.out, "w") as f:
+            json.dump({"times": times, "world_size": info.world_size, "seqs_per_rank": len(samples),
+                       "tokens_per_rank": sum(len(s.prompt_ids) + len(s.response_ids) for s in samples),
+                       "micro_batch_size": a.micro_batch_size, "torch_threads": torch.get_num_threads(),
+                       "shard_ranks": cfg.model.shard_ranks, "params": sum(p.numel() for p in params)}, f)
+    barrier()
+    shutdown()
+
+
+def main() -> None:
+    import common as C
+
+    p = C.parser(__doc__.split("\n")[0])
+    p.add_argument("--nprocs", default=None, help="comma list (default 1,2; --smoke: 2)")
+    p.add_argument("--iters", type=int, default=None, help="timed updates per variant (default 5; --smoke: 1)")
+    p.add_argument("--seqs", type=int, default=8, help="sequences per rank")
+    p.add_argument("--micro-batch-size", type=int, default=2, help="sequences per forward/backward")
+    args = p.parse_args()
+    nprocs = [int(n) for n in (args.nprocs or ("2" if args.smoke else "1,2")).split(",")]
+    iters = args.iters or (1 if args.smoke else 5)
+    wd = C.work_dir(args, "update")
+    records, rows = [], []
+    for model in C.models(args):
+        for nproc in nprocs:
+            out = wd / f"{model}-n{nproc}.json"
+            C.fresh(out)
+            print(f"[update] {model} nproc={nproc}", flush=True)
+            C.torchrun(__file__, ["--worker", "--model", model, "--iters", str(iters), "--seqs", str(args.seqs),
+                                  "--micro-batch-size", str(args.micro_batch_size), "--out", str(out)],
+                       nproc, wd / f"{model}-n{nproc}.log")
+            r = json.loads(out.read_text())
+            med = {v: {k: statistics.median(ts) for k, ts in r["times"][v].items()} for v in VARIANTS}
+            rec = {"model": model, "processes": nproc, "params": r["params"], "shard_ranks": r["shard_ranks"],
+                   "seqs_per_rank": r["seqs_per_rank"], "micro_batch_size": r["micro_batch_size"],
+                   "tokens_per_rank": r["tokens_per_rank"], "iters": iters, "median_s": med,
+                   "speedup_fused": med["baseline"]["update_s"] / med["fused"]["update_s"],
+                   "speedup_default": med["baseline"]["update_s"] / med["default"]["update_s"], "raw": r}
+            records.append(rec)
+            for v in VARIANTS:
+                rows.append([model, nproc, v, med[v]["backward_s"], med[v]["optimizer_s"], med[v]["update_s"],
+                             med["baseline"]["update_s"] / med[v]["update_s"]])
+    print(C.table(["model", "procs", "variant", "backward s", "optimizer s", "update s", "speedup"], rows))
+    C.write_json(args.results_dir, "update", {"bench": "update", "smoke": args.smoke, "machine": C.machine(),
+                                              "variants": VARIANTS, "records": records})
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        ap = argparse.ArgumentParser()
+        for flag in ("--model", "--out"):
+            ap.add_argument(flag, required=True)
+        for flag, default in (("--iters", 3), ("--seqs", 8), ("--micro-batch-size", 2)):
+            ap.add_argument(flag, type=int, default=default)
+        ap.add_argument("--recipes", default=str(Path(__file__).resolve().parents[1] / "recipes"))
+        ap.add_argument("--worker", action="store_true")
+        worker(ap.parse_args())
+    else:
+        main()
