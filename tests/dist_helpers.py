@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import traceback
@@ -19,9 +20,11 @@ def free_port() -> int:
 def _entry(rank: int, world: int, port: int, fn, args, errq) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    faulthandler.enable()  # a native abort prints every thread's Python stack into the test's output
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         fn(rank, world, *args)
+        dist.barrier()  # no rank tears its group down while a peer still has traffic in flight
     except BaseException:
         errq.put((rank, traceback.format_exc()))
         raise
