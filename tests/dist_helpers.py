@@ -24,7 +24,8 @@ def _entry(rank: int, world: int, port: int, fn, args, errq) -> None:
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         fn(rank, world, *args)
-        dist.barrier()  # no rank tears its group down while a peer still has traffic in flight
+        if dist.is_initialized():  # (a worker may have shut its group down itself)
+            dist.barrier()  # no rank tears its group down while a peer still has traffic in flight
     except BaseException:
         errq.put((rank, traceback.format_exc()))
         raise
