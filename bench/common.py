@@ -151,6 +151,14 @@ def resolve_model(name: str) -> str:
     return resolve_model_path(name)
 
 
+def recipe_shard_ranks(model: str) -> int:
+    """`model.shard_ranks` of recipes/model/<model>.yaml (the built-in models replicate: 1), so a
+    worker that builds the policy itself shards it as the trainer would."""
+    from omegaconf import OmegaConf
+
+    return int(OmegaConf.load(ROOT / "recipes" / "model" / f"{model}.yaml").get("shard_ranks", -1))
+
+
 def count_params(model_path: str) -> int:
     """Unique parameters (a tied head counted once), from the config, without loading weights."""
     import torch

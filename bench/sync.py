@@ -18,7 +18,6 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 GOAL = 1.5
 
@@ -34,13 +33,11 @@ def worker(a) -> None:
     from distflow.rollout import build_engine
     from distflow.rollout.weight_sync import full_parameters
 
-    from omegaconf import OmegaConf
+    import common as C
 
     cfg = DistflowConfig()
     cfg.model.path, cfg.rollout.engine = a.model, a.engine
-    # the model recipe's FSDP layout (the built-in models replicate: model.shard_ranks=1)
-    recipe = OmegaConf.load(f"{a.recipes}/model/{a.model}.yaml")
-    cfg.model.shard_ranks = int(recipe.get("shard_ranks", -1))
+    cfg.model.shard_ranks = C.recipe_shard_ranks(a.model)
     cfg.rollout.max_new_tokens, cfg.rollout.max_prompt_tokens = 32, 128
     info = init_distributed("gloo", "cpu")
     path = resolve_model_path(a.model)
@@ -124,7 +121,6 @@ if __name__ == "__main__":
         for flag in ("--model", "--engine", "--out"):
             ap.add_argument(flag, required=True)
         ap.add_argument("--iters", type=int, default=5)
-        ap.add_argument("--recipes", default=str(Path(__file__).resolve().parents[1] / "recipes"))
         ap.add_argument("--worker", action="store_true")
         worker(ap.parse_args())
     else:

@@ -23,14 +23,12 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 VARIANTS = ("baseline", "fused", "default")
 
 
 def worker(a) -> None:
     import torch
-    from omegaconf import OmegaConf
 
     from distflow.config import DistflowConfig
     from distflow.distributed import all_reduce, barrier, init_distributed, shutdown
@@ -39,8 +37,10 @@ def worker(a) -> None:
     from distflow.rollout.base import Sample
     from distflow.update import backward_policy_loss
 
+    import common as C
+
     cfg = DistflowConfig()
-    cfg.model.shard_ranks = int(OmegaConf.load(f"{a.recipes}/model/{a.model}.yaml").get("shard_ranks", -1))
+    cfg.model.shard_ranks = C.recipe_shard_ranks(a.model)
     cfg.optim.micro_batch_size, cfg.optim.lr = a.micro_batch_size, 1e-6
     info = init_distributed("gloo", "cpu")
     policy = Policy(resolve_model_path(a.model), cfg.model, cfg.optim, info.device, info.world_size)
@@ -131,7 +131,6 @@ if __name__ == "__main__":
             ap.add_argument(flag, required=True)
         for flag, default in (("--iters", 3), ("--seqs", 8), ("--micro-batch-size", 2)):
             ap.add_argument(flag, type=int, default=default)
-        ap.add_argument("--recipes", default=str(Path(__file__).resolve().parents[1] / "recipes"))
         ap.add_argument("--worker", action="store_true")
         worker(ap.parse_args())
     else:
