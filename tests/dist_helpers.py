@@ -5,7 +5,9 @@ from __future__ import annotations
 import faulthandler
 import os
 import socket
+import time
 import traceback
+from multiprocessing.connection import wait
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -35,20 +37,46 @@ def _entry(rank: int, world: int, port: int, fn, args, errq) -> None:
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 300) -> None:
-    """Run fn(rank, world_size, *args) on world_size gloo ranks; re-raise the first failure."""
+    """Run fn(rank, world_size, *args) on world_size gloo ranks; re-raise the first failure.
+
+    `timeout` bounds the whole call (one deadline shared by every rank, not one per rank), and no
+    child outlives the call: any rank still running when it returns or raises (a hang, an error
+    in a sibling, a KeyboardInterrupt) is killed and reaped in the `finally` below.
+    """
     ctx = mp.get_context("spawn")
     errq = ctx.SimpleQueue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, errq)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    if not errq.empty():
-        rank, tb = errq.get()
+    alive: list = []
+    failure = None  # (rank, traceback) of the first rank to report one
+    try:
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.start()
+        # Wait for every rank against the one deadline; stop early once a rank has reported a
+        # failure (its peers would otherwise sit in a collective until the deadline). The report
+        # is read while its writer still lives, so a long traceback is never cut off by the kill.
+        while True:
+            if not errq.empty():
+                failure = errq.get()
+                break
+            running = [p for p in procs if p.is_alive()]
+            left = deadline - time.monotonic()
+            if not running or left <= 0:
+                break
+            wait([p.sentinel for p in running], timeout=min(left, 0.5))
+        alive = [p for p in procs if p.is_alive()]
+    finally:
+        for p in procs:
+            if p.pid is not None and p.is_alive():
+                p.kill()
+        for p in procs:
+            if p.pid is not None:
+                p.join(30)
+    if failure is None and not alive and not errq.empty():  # reported just as the last rank exited
+        failure = errq.get()
+    if failure is not None:
+        rank, tb = failure
         raise AssertionError(f"rank {rank} failed:\n{tb}")
     assert not alive, f"{len(alive)} rank(s) hung past {timeout}s"
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
