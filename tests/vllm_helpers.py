@@ -35,12 +35,21 @@ def vllm_prompt_logprobs(model_dir: str, prompts: list[list[int]], tmp_path) -> 
 
 
 def max_diff_to_transformers(model, prompts: list[list[int]], got: list[list[float]]) -> float:
-    """Max |vLLM - transformers| prompt logprob over all prompts."""
-    worst = 0.0
-    for ids, lp in zip(prompts, got):
+    """Max |vLLM - transformers| prompt logprob over all prompts.
+
+    The engine must have answered every prompt with one logprob per token after the first:
+    a missing, short or empty result is a failure, never a vacuous match."""
+    assert len(got) == len(prompts), f"{len(got)} results for {len(prompts)} prompts"
+    worst, compared = 0.0, 0
+    for ids, lp in zip(prompts, got, strict=True):
+        assert len(lp) == len(ids) - 1, (len(lp), len(ids))
         with torch.no_grad():
             logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
         want = logp[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
-        assert len(lp) == len(ids) - 1
-        worst = max(worst, (torch.tensor(lp) - want).abs().max().item())
+        diff = (torch.tensor(lp, dtype=torch.float32) - want).abs()
+        assert diff.shape == want.shape and bool(torch.isfinite(diff).all()), (lp, want)
+        if diff.numel():
+            worst = max(worst, diff.max().item())
+        compared += diff.numel()
+    assert compared > 0, "no logprob was compared"
     return worst
