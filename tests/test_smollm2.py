@@ -87,10 +87,89 @@ def test_converted_folder_is_plain_float32_llama(model_dir):
     assert ensure_smollm2(str(folder.parent)) == model_dir
 
 
+# GGUF (llama.cpp) tensor names -> Hugging Face Llama parameter names
+GGUF_TO_HF = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+}
+GGUF_BLOCK_TO_HF = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in GGUF_TO_HF:
+        return GGUF_TO_HF[gguf_name]
+    blk, layer, part, suffix = gguf_name.split(".")
+    assert blk == "blk" and suffix == "weight", gguf_name
+    return f"model.layers.{int(layer)}.{GGUF_BLOCK_TO_HF[part]}.weight"
+
+
+def _undo_rope_permutation(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter stores each q/k head's rows interleaved for its rotary kernel:
+    HF row (head h, half j, i) sits at GGUF row h*head_dim + 2*i + j. Gather them back."""
+    head_dim = w.shape[0] // heads
+    assert heads * head_dim == w.shape[0] and head_dim % 2 == 0, (w.shape, heads)
+    rows = [h * head_dim + 2 * i + j for h in range(heads) for j in range(2) for i in range(head_dim // 2)]
+    return w[rows]
+
+
+@pytest.mark.slow
+@needs_package
+def test_weights_match_the_gguf_file(model_dir):
+    """Faithful to the GGUF file itself, read here independently of the conversion (gguf's own
+    reader and dequantiser, our own name map and q/k un-permutation): every tensor of the file,
+    dequantised to float32, equals the saved weight it maps to, and no saved weight is unaccounted
+    for. The hyper-parameters in config.json are the file's too."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize
+    from safetensors import safe_open
+
+    reader = gguf.GGUFReader(str(find_gguf()))
+
+    def meta(key):
+        return reader.fields[key].contents()
+
+    assert meta("general.architecture") == "llama"
+    heads, kv_heads = meta("llama.attention.head_count"), meta("llama.attention.head_count_kv")
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (heads, kv_heads) == (9, 3)
+    assert cfg["hidden_size"] == meta("llama.embedding_length")
+    assert cfg["intermediate_size"] == meta("llama.feed_forward_length")
+    assert cfg["num_hidden_layers"] == meta("llama.block_count")
+    assert cfg["max_position_embeddings"] == meta("llama.context_length")
+    assert cfg["rms_norm_eps"] == pytest.approx(meta("llama.attention.layer_norm_rms_epsilon"), rel=1e-6)
+    assert cfg["rope_parameters"]["rope_theta"] == pytest.approx(meta("llama.rope.freq_base"), rel=1e-6)
+
+    kinds = {t.tensor_type.name for t in reader.tensors}
+    assert "Q4_1" in kinds  # a quantised file: the comparison goes through the dequantiser
+    compared = set()
+    with safe_open(str(Path(model_dir) / "model.safetensors"), "pt") as saved:
+        names = set(saved.keys())
+        for t in reader.tensors:
+            want = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+            name = _hf_name(t.name)
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                want = _undo_rope_permutation(want, heads if name.endswith("q_proj.weight") else kv_heads)
+            got = saved.get_tensor(name)
+            assert got.dtype == torch.float32 and got.shape == want.shape, (t.name, name, got.shape, want.shape)
+            assert torch.equal(got, want), (t.name, name, (got - want).abs().max().item())
+            compared.add(name)
+    assert compared == names and len(compared) == 2 + 9 * cfg["num_hidden_layers"]  # tied lm_head: not stored
+    # the spot checks that matter most: embedding, norms, and both rotary-permuted projections
+    assert {"model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight",
+            "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"} <= compared
+
+
 @pytest.mark.slow
 @needs_package
 def test_logits_match_gguf_model(model_dir):
-    """Round trip: the saved float32 folder computes exactly what the GGUF-loaded model does."""
+    """Round trip: the saved float32 folder computes exactly what the GGUF-loaded model does
+    (saving and reloading lose nothing; faithfulness to the file is test_weights_match_the_gguf_file)."""
     tok, model = _load(model_dir)
     gguf_tok, gguf_model = GGUF_LOADED.get("pair") or smollm2.load_gguf(find_gguf())
     for ids in _prompt_ids(tok):
