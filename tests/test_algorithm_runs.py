@@ -1,6 +1,7 @@
 """Every algorithm config runs the smoke experiment end to end on 2 ranks, and DAPO's dynamic
 sampling keeps ranks in step when their kept-group counts differ."""
 
+import math
 
 import pytest
 
@@ -18,7 +19,10 @@ def _smoke(tmp_path, *overrides, steps=2):
     proc = torchrun(["experiment=smoke", "rollout=hf", f"trainer.steps={steps}", f"trainer.output_dir={out}",
                      "trainer.plot_at_end=false", *overrides])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return read_metrics(out), proc
+    rows = read_metrics(out)
+    # one row per step: per-row checks in the tests below never run over a missing or short file
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)), rows
+    return rows, proc
 
 
 @pytest.mark.slow
@@ -33,13 +37,27 @@ def test_algorithm_runs_smoke(tmp_path, algorithm):
 
 @pytest.mark.slow
 def test_kl_entropy_tis_and_dual_clip_metrics(tmp_path):
-    rows, _ = _smoke(tmp_path, "algorithm.kl_coef=0.05", "algorithm.entropy_coef=0.01", "algorithm.tis_cap=2.0",
+    # tis_cap below 1 makes the cap bind: the engine samples with the policy's own weights (the
+    # sync probe checks them to 1e-5), so every token's pi_old / pi_engine is ~1, above the cap.
+    tis_cap = 0.99
+    rows, _ = _smoke(tmp_path, "algorithm.kl_coef=0.05", "algorithm.entropy_coef=0.01", f"algorithm.tis_cap={tis_cap}",
                      "algorithm.dual_clip_c=3.0", "task.reward=rewards_for_tests:digit_fraction")
     for key in ["loss/kl", "loss/entropy", "tis/mean_weight", "clip/fraction_dual"]:
         assert key in rows[-1], key
     assert rows[-1]["loss/entropy"] > 0
     assert rows[0]["loss/kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first update
     assert rows[-1]["loss/kl"] > 0
+    for r in rows:
+        weight, dual = r["tis/mean_weight"], r["clip/fraction_dual"]
+        assert math.isfinite(weight) and 0 < weight <= tis_cap + 1e-6, r
+        assert math.isfinite(dual) and 0.0 <= dual <= 1.0, r
+        assert r["sync/max_abs_logprob_diff"] <= 1e-5, r
+        # the cap fired on every trained token (a token whose engine logprob were misaligned
+        # with the trainer's would have a ratio far from 1 and pull the mean below the cap)
+        assert weight == pytest.approx(tis_cap, abs=1e-5), r
+        # one on-policy update per step: the ratio is exactly 1, inside the clip range and below
+        # the dual-clip bound c = 3 > 1, so no token may be flagged by any clip
+        assert dual == 0.0 and r["clip/fraction_low"] == 0.0 and r["clip/fraction_high"] == 0.0, r
 
 
 @pytest.mark.slow

@@ -188,14 +188,18 @@ def one_epoch(n, world, seed=0, shuffle=True):
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_every_item_once_per_epoch_across_ranks(world):
     # 10 items is not a multiple of 3: ranks still deal out each epoch exactly once
-    n, steps = 10, 12
+    n, epochs = 10, 3
+    steps = -(-epochs * n // world)  # enough steps for `epochs` whole epochs on every world size
     samplers = [ShardedSampler(n, r, world, seed=0) for r in range(world)]
     per_step = [[s.next_indices(1)[0] for s in samplers] for _ in range(steps)]
     stream = [i for step in per_step for i in step]  # global order: step by step, rank by rank
-    for e in range(len(stream) // n):
-        epoch = stream[e * n : (e + 1) * n]
+    assert len(stream) == steps * world >= epochs * n
+    whole = [stream[e * n : (e + 1) * n] for e in range(epochs)]
+    for e, epoch in enumerate(whole):
+        assert len(epoch) == n
         assert sorted(epoch) == list(range(n)), (world, e, epoch)  # union = dataset, no duplicates
-    assert stream[:n] != stream[n : 2 * n]  # reshuffled per epoch
+    # reshuffled per epoch: whole epochs of equal length, each a different order from the others
+    assert all(whole[a] != whole[b] for a in range(epochs) for b in range(a + 1, epochs)), whole
 
 
 def test_no_shuffle_is_strided():

@@ -160,32 +160,133 @@ def test_non_main_rank_with_every_logger_touches_nothing(tmp_path, wandb_offline
 
 
 # ----------------------------------------------------------------------------- plot
-def _assert_png(path):
+PANELS = ["reward", "response length", "step time", "throughput"]
+PHASE_LABELS = ["generate", "reward", "logprob", "update", "sync", "probe", "other"]
+
+
+def _assert_png(path, size: tuple[int, int] | None = None):
+    """A real, decodable picture with something drawn on it (not a blank canvas); `size` is
+    (width, height) in pixels when known."""
+    import numpy as np
+    from matplotlib.image import imread
+
     data = Path(path).read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    img = imread(path)
+    assert img.ndim == 3 and img.shape[2] in (3, 4), img.shape
+    h, w = img.shape[:2]
+    if size is not None:
+        assert (w, h) == size, (img.shape, size)
+    assert 300 <= w <= 5000 and 300 <= h <= 5000, img.shape
+    rgb = np.round(img[..., :3] * 255).astype(np.int64)
+    inked = (rgb < 250).any(axis=-1).mean()  # share of pixels that are not (near) white
+    assert 0.01 < inked < 0.9, inked
+    colours = np.unique(rgb[..., 0] * 65536 + rgb[..., 1] * 256 + rgb[..., 2]).size
+    assert colours > 20, colours  # lines, fills, text: not a flat image
 
 
-def test_plot_full_run_with_validation_and_summary(tmp_path):
+@pytest.fixture
+def drawn(monkeypatch):
+    """Every matplotlib Figure saved during the test (write_plots builds its own Figure)."""
+    from matplotlib.figure import Figure
+
+    figures, real = [], Figure.savefig
+
+    def savefig(self, *args, **kwargs):
+        figures.append(self)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    return figures
+
+
+def _panels(figures) -> dict:
+    """{title: Axes} of the one figure drawn; checks the four panels in their 2x2 order."""
+    assert len(figures) == 1, figures
+    axes = figures[0].axes
+    assert [ax.get_title() for ax in axes] == PANELS
+    return dict(zip(PANELS, axes))
+
+
+def _pixel_size(fig) -> tuple[int, int]:
+    w, h = fig.get_size_inches() * fig.dpi
+    return round(w), round(h)
+
+
+def _lines(ax) -> dict:
+    """{label: (xs, ys)} of the labelled lines of a panel (axhlines are unlabelled)."""
+    return {ln.get_label(): (list(map(float, ln.get_xdata())), list(map(float, ln.get_ydata())))
+            for ln in ax.get_lines() if not ln.get_label().startswith("_")}
+
+
+def _texts(ax) -> list[str]:
+    return [t.get_text() for t in ax.texts]
+
+
+def test_plot_full_run_with_validation_and_summary(tmp_path, drawn):
+    import numpy as np
+
     rows = [_row(s, **({"val/pass@1": s / 20} if s % 5 == 0 else {})) for s in range(1, 21)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     (tmp_path / "summary.json").write_text(json.dumps({"heldout_pass1_before": 0.1, "heldout_pass1_after": 0.6}))
     paths = write_plots(str(tmp_path))
     assert paths == [str(tmp_path / "training.png")]
-    _assert_png(paths[0])
+    panels = _panels(drawn)
+    _assert_png(paths[0], _pixel_size(drawn[0]))
+    steps = [float(s) for s in range(1, 21)]
+
+    reward = panels["reward"]
+    assert _lines(reward) == {"reward/mean": (steps, [0.25 * s for s in steps])}
+    labels = reward.get_legend_handles_labels()[1]
+    assert labels == ["reward/mean", "val/pass@1", "heldout_pass1_before = 0.100", "heldout_pass1_after = 0.600"]
+    val = reward.collections[0].get_offsets()
+    assert np.allclose(val, [[5, 0.25], [10, 0.5], [15, 0.75], [20, 1.0]])
+    # held-out pass@1 before (at step 0) and after (at the last step), each with a guide line
+    assert [c.get_offsets().tolist() for c in reward.collections[1:]] == [[[0.0, 0.1]], [[20.0, 0.6]]]
+    assert sorted(tuple(ln.get_ydata()) for ln in reward.get_lines() if ln.get_label().startswith("_")) == \
+        [(0.1, 0.1), (0.6, 0.6)]
+    assert reward.get_legend() is not None and not _texts(reward)
+
+    assert _lines(panels["response length"]) == {"mean": (steps, [10.0 + s for s in steps]),
+                                                 "max": (steps, [16.0] * 20)}
+    timing = panels["step time"]
+    assert timing.get_legend_handles_labels()[1] == PHASE_LABELS  # every phase, plus the unaccounted rest
+    assert len(timing.collections) == len(PHASE_LABELS)
+    assert _lines(panels["throughput"]) == {"tokens/s": (steps, [100.0 * s for s in steps])}
+    assert drawn[0].get_suptitle() == tmp_path.name
 
 
-def test_plot_single_step_with_missing_keys(tmp_path):
+def test_plot_single_step_with_missing_keys(tmp_path, drawn):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5, "timing/step_s": 1.0}) + "\n")
-    _assert_png(write_plots(str(tmp_path))[0])
+    path = write_plots(str(tmp_path))[0]
+    panels = _panels(drawn)
+    _assert_png(path, _pixel_size(drawn[0]))
+    assert _lines(panels["reward"]) == {"reward/mean": ([1.0], [0.5])}
+    # missing keys: the panel says so instead of drawing anything
+    for name in ("response length", "throughput"):
+        assert _lines(panels[name]) == {} and _texts(panels[name]) == ["no data"], name
+    # one step is drawn as a bar: no phase was logged, so all of step_s is "other"
+    timing = panels["step time"]
+    bars = timing.patches
+    assert timing.get_legend_handles_labels()[1] == ["other"] and len(bars) == 1
+    assert bars[0].get_height() == pytest.approx(1.0)
+    assert bars[0].get_x() + bars[0].get_width() / 2 == pytest.approx(1.0)  # centred on step 1
 
 
-def test_plot_reader_merges_relogged_steps_and_skips_a_cut_line(tmp_path):
+def test_plot_reader_merges_relogged_steps_and_skips_a_cut_line(tmp_path, drawn):
+    import numpy as np
+
     lines = [_row(1), _row(2), _row(2, **{"reward/mean": 9.0}), {"step": 2, "val/pass@1": 0.5}, _row(3)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + '\n{"step": 4, "rew')
     rows = read_metrics(str(tmp_path / "metrics.jsonl"))
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[1]["reward/mean"] == 9.0 and rows[1]["val/pass@1"] == 0.5
-    _assert_png(write_plots(str(tmp_path))[0])
+    path = write_plots(str(tmp_path))[0]
+    reward = _panels(drawn)["reward"]
+    _assert_png(path, _pixel_size(drawn[0]))
+    # the plot shows the merged rows: the re-logged value, the validation point, no step 4
+    assert _lines(reward) == {"reward/mean": ([1.0, 2.0, 3.0], [0.25, 9.0, 0.75])}
+    assert np.allclose(reward.collections[0].get_offsets(), [[2.0, 0.5]])
 
 
 def test_plot_without_metrics_writes_nothing(tmp_path):
@@ -196,12 +297,21 @@ def test_plot_without_metrics_writes_nothing(tmp_path):
 
 
 def test_plot_cli(tmp_path):
-    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(_row(s)) for s in (1, 2, 3)) + "\n")
-    proc = subprocess.run([sys.executable, "-m", "distflow.plot", str(tmp_path)], capture_output=True, text=True,
+    cli, inproc = tmp_path / "cli" / "run", tmp_path / "inproc" / "run"  # same name: same title
+    for out in (cli, inproc):
+        out.mkdir(parents=True)
+        (out / "metrics.jsonl").write_text("\n".join(json.dumps(_row(s)) for s in (1, 2, 3)) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "distflow.plot", str(cli)], capture_output=True, text=True,
                           timeout=120, env=dict(os.environ, MPLBACKEND="TkAgg"))  # the Agg canvas is used regardless
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == str(tmp_path / "training.png")
-    _assert_png(tmp_path / "training.png")
+    assert proc.stdout.strip() == str(cli / "training.png")
+    _assert_png(cli / "training.png")
+    # the CLI draws exactly what write_plots draws from the same metrics (checked panel by panel above)
+    import numpy as np
+    from matplotlib.image import imread
+
+    assert write_plots(str(inproc)) == [str(inproc / "training.png")]
+    assert np.array_equal(imread(cli / "training.png"), imread(inproc / "training.png"))
     empty = tmp_path / "empty"
     empty.mkdir()
     proc = subprocess.run([sys.executable, "-m", "distflow.plot", str(empty)], capture_output=True, text=True,
