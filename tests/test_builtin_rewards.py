@@ -46,8 +46,30 @@ def test_math_wrong_or_malformed(completion, gold):
     assert call("math", completion, {"answer": gold}) == 0.0
 
 
+PREPARE_CHECK = r"""
+import sys
+from distflow.rewards.registry import load_reward
+HEAVY = ("math_verify", "sympy", "latex2sympy2_extended")
+fn = load_reward("math")
+assert callable(fn.prepare)
+early = [m for m in HEAVY if m in sys.modules]
+assert not early, f"resolving the reward already imported {early}"
+fn.prepare()
+missing = [m for m in HEAVY if m not in sys.modules]
+assert not missing, f"prepare() did not import {missing}"
+print(fn("a prompt", "so \\boxed{\\frac{1}{2}}", [1, 2, 3], {"answer": "0.5"}))
+"""
+
+
 def test_math_prepare_hook():
-    load_reward("math").prepare()  # imports math-verify; must not raise
+    """prepare() is where math-verify (and sympy under it) get imported: in a fresh process,
+    resolving the reward imports none of them, prepare() all of them, and the reward then scores."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", PREPARE_CHECK], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["1.0"], proc.stdout
 
 
 # ----------------------------------------------------------------------------- gsm8k
