@@ -28,6 +28,7 @@ def worker(a) -> None:
 
     from distflow.config import DistflowConfig
     from distflow.distributed import all_reduce, barrier, init_distributed, shutdown
+    from distflow.layout import ParallelLayout
     from distflow.models.tiny import resolve_model_path
     from distflow.policy import Policy
     from distflow.rollout import build_engine
@@ -42,7 +43,7 @@ def worker(a) -> None:
     info = init_distributed("gloo", "cpu")
     path = resolve_model_path(a.model)
     engine = build_engine(path, cfg.model, cfg.rollout, info.device, 0)  # trainer's order: engine, then policy
-    policy = Policy(path, cfg.model, cfg.optim, info.device, info.world_size)
+    policy = Policy(path, cfg.model, cfg.optim, ParallelLayout.from_config(cfg.model, info))
     dtype, bucket = getattr(torch, cfg.model.dtype), cfg.rollout.sync_bucket_mib << 20
 
     def timed(fn) -> list[float]:

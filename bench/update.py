@@ -30,8 +30,10 @@ VARIANTS = ("baseline", "fused", "default")
 def worker(a) -> None:
     import torch
 
+    from distflow.batch import UpdateBatch, per_token
     from distflow.config import DistflowConfig
     from distflow.distributed import all_reduce, barrier, init_distributed, shutdown
+    from distflow.layout import ParallelLayout
     from distflow.models.tiny import resolve_model_path
     from distflow.policy import Policy
     from distflow.rollout.base import Sample
@@ -43,7 +45,7 @@ def worker(a) -> None:
     cfg.model.shard_ranks = C.recipe_shard_ranks(a.model)
     cfg.optim.micro_batch_size, cfg.optim.lr = a.micro_batch_size, 1e-6
     info = init_distributed("gloo", "cpu")
-    policy = Policy(resolve_model_path(a.model), cfg.model, cfg.optim, info.device, info.world_size)
+    policy = Policy(resolve_model_path(a.model), cfg.model, cfg.optim, ParallelLayout.from_config(cfg.model, info))
     vocab = policy.model.config.vocab_size
     g = torch.Generator().manual_seed(1000 + info.rank)
     samples = []
@@ -52,6 +54,9 @@ def worker(a) -> None:
         ids = torch.randint(3, vocab, (p_len + r_len,), generator=g).tolist()
         samples.append(Sample(ids[:p_len], ids[p_len:], [0.0] * r_len, False))
     adv = torch.randn(len(samples), generator=g)
+    batch = UpdateBatch.from_samples(samples, 0, info.device)
+    batch = batch.with_(advantages=per_token(adv, batch.tokens.resp_mask))
+    rows = list(range(len(batch)))
 
     params = list(policy.model.parameters())
     optimizers = {"fused": policy.optimizer,
@@ -63,9 +68,9 @@ def worker(a) -> None:
         policy.all_reduce_gradients = (lambda enabled: every_pass(True)) if variant != "default" else every_pass
         barrier()
         t0 = time.perf_counter()
-        backward_policy_loss(policy, samples, adv, None, cfg, pad_id=0)
+        sums = backward_policy_loss(policy, batch, rows, cfg, pad_id=0)
         t1 = time.perf_counter()
-        policy.step()
+        policy.step(sums.loss)
         t2 = time.perf_counter()
         return float(all_reduce(t1 - t0, "max")), float(all_reduce(t2 - t1, "max")), float(all_reduce(t2 - t0, "max"))
 

@@ -9,12 +9,16 @@ from __future__ import annotations
 import os
 import sys
 
-import hydra
-from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
-from torch.distributed.elastic.multiprocessing.errors import record
+from distflow.output import quiet_third_party_env
 
-from distflow.config import ConfigError, DistflowConfig
+quiet_third_party_env()  # before torch, vLLM or datasets start logging
+
+import hydra  # noqa: E402
+from hydra.core.config_store import ConfigStore  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
+
+from distflow.config import ConfigError, DistflowConfig, check_known_keys  # noqa: E402
 
 RECIPES_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -25,21 +29,24 @@ OmegaConf.register_new_resolver("recipes_dir", lambda: RECIPES_DIR, replace=True
 
 
 def _prepare_argv() -> None:
-    """Only rank 0 writes .hydra/ and Hydra's log; multirun cannot work under torchrun."""
+    """Only rank 0 writes .hydra/; logging is distflow's own (distflow.output) on every rank;
+    multirun cannot work under torchrun."""
     args = sys.argv[1:]
     if "WORLD_SIZE" in os.environ and any(a in ("-m", "--multirun") for a in args):
         sys.exit("distflow: error: Hydra multirun (-m) is not supported under torchrun; "
                  "sweep by launching one torchrun per configuration instead.")
+    sys.argv += ["hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
     if int(os.environ.get("RANK", "0")) != 0:
-        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+        sys.argv += ["hydra.output_subdir=null"]
 
 
 @record
 @hydra.main(config_path=".", config_name="grpo", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from distflow.trainer import Trainer
+    from distflow.trainer import RunAborted, Trainer
 
     try:
+        check_known_keys(OmegaConf.to_container(cfg, resolve=False))
         config: DistflowConfig = OmegaConf.to_object(cfg)
         trainer = Trainer(config)
     except ConfigError as e:
@@ -47,6 +54,9 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     try:
         trainer.train()
+    except RunAborted as e:
+        print(f"distflow: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
     except Exception as e:
         # name the failing rank; torchrun then stops the others (or they time out in a collective)
         print(f"distflow: rank {os.environ.get('RANK', '0')} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from dist_helpers import run_distributed
+from grad_helpers import assert_grads_close
 from launch_helpers import read_metrics, torchrun
 from distflow import distributed as dd
 from distflow.balance import balance_groups, balanced_assignment, exchange
@@ -187,7 +188,9 @@ def test_balance_groups_gloo(world):
 
 
 def _gradient_worker(rank: int, world: int, model_dir: str, out_path: str) -> None:
+    from grad_helpers import full_grads, update_batch
     from distflow.config import DistflowConfig
+    from distflow.layout import ParallelLayout
     from distflow.policy import Policy
     from distflow.rollout.base import Sample
     from distflow.update import backward_policy_loss
@@ -195,7 +198,7 @@ def _gradient_worker(rank: int, world: int, model_dir: str, out_path: str) -> No
     torch.manual_seed(0)
     cfg = DistflowConfig()
     cfg.optim.micro_batch_size = 3
-    policy = Policy(model_dir, cfg.model, cfg.optim, torch.device("cpu"), world)
+    policy = Policy(model_dir, cfg.model, cfg.optim, ParallelLayout.current(cfg.model))
     g = torch.Generator().manual_seed(11 + rank)
     # rank 0 holds long sequences, rank 1 short ones: 3 groups of 4 each
     groups = []
@@ -214,10 +217,11 @@ def _gradient_worker(rank: int, world: int, model_dir: str, out_path: str) -> No
             assert stats["moved_groups"] > 0 and stats["tokens_after_max"] < stats["tokens_before_max"]
         samples = [s for ss, _ in mine for s in ss]
         adv = torch.cat([a for _, a in mine])
-        stats = backward_policy_loss(policy, samples, adv, None, cfg, pad_id=0)
-        grads = {n: p.grad.full_tensor().clone() for n, p in policy.model.named_parameters()}
+        batch = update_batch(samples, adv)
+        sums = backward_policy_loss(policy, batch, list(range(len(batch))), cfg, pad_id=0)
+        grads = full_grads(policy.model)
         policy.optimizer.zero_grad(set_to_none=True)
-        results[balance] = (float(dd.all_reduce(stats["loss"])), grads)
+        results[balance] = (float(dd.all_reduce(sums.loss)), grads)
     if rank == 0:
         torch.save(results, out_path)
 
@@ -227,9 +231,7 @@ def test_balancing_leaves_loss_and_gradients_unchanged(tiny_model_dir, tmp_path)
     res = torch.load(tmp_path / "g.pt", weights_only=True)
     (l_off, g_off), (l_on, g_on) = res[False], res[True]
     assert l_off != 0.0 and abs(l_off - l_on) <= 1e-5 * abs(l_off)
-    for name in g_off:
-        scale = g_off[name].abs().max().clamp(min=1e-12)
-        assert float((g_off[name] - g_on[name]).abs().max() / scale) <= 1e-5, name
+    assert_grads_close(g_off, g_on, 1e-5)
 
 
 def skewed_task(path) -> str:

@@ -1,6 +1,7 @@
 """Checkpoints: bit-exact resume, a SIGKILLed rank under torchrun restarts, torn checkpoints,
 a raising rank, and export to a plain HF folder. Real torchrun runs, real DCP files."""
 
+import json
 import shutil
 import subprocess
 import sys
@@ -11,8 +12,9 @@ from safetensors.torch import load_file
 
 from dist_helpers import run_distributed
 from launch_helpers import ROOT, read_metrics, torchrun
-from distflow.checkpoint import MARKER, Checkpointer, ModelOptimState, latest_checkpoint
-from distflow.config import DistflowConfig
+from distflow.checkpoint import MARKER, POLICY, Checkpointer, ModelOptimState, latest_checkpoint
+from distflow.config import ConfigError, DistflowConfig
+from distflow.layout import ParallelLayout
 from distflow.policy import Policy
 
 BASE = ["experiment=smoke", "task.reward=rewards_for_tests:digit_fraction", "trainer.checkpoint_every=2"]
@@ -71,12 +73,39 @@ def test_raising_rank_fails_the_job_with_its_error(tmp_path):
     assert "distflow: rank 1 failed: RuntimeError: injected fault on rank 1 at step 2" in proc.stderr
 
 
+class _Counter:
+    """A minimal Stateful."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
+
+
+def _checkpointer(out, rank, policy, keep_last):
+    ck = Checkpointer(out, keep_last=keep_last, rank=rank)
+    ck.register(POLICY, ModelOptimState(policy.model, policy.optimizer), "sharded")
+    ck.register("per_rank", _Counter(rank), "rank")
+    ck.register("shared", _Counter(0), "shared")
+    return ck
+
+
 def _save_two(rank, world, model_dir, out):
     cfg = DistflowConfig()
-    policy = Policy(model_dir, cfg.model, cfg.optim, torch.device("cpu"), world)
-    ck = Checkpointer(out, keep_last=5, rank=rank)
+    policy = Policy(model_dir, cfg.model, cfg.optim, ParallelLayout.current(cfg.model))
+    ck = _checkpointer(out, rank, policy, keep_last=5)
     for step in (1, 2, 3):
-        ck.save(step, {"app": ModelOptimState(policy.model, policy.optimizer)}, {"rank": rank}, {"model_path": model_dir})
+        ck.registry["shared"][1].value = step
+        ck.save(step, meta={"model_path": model_dir})
+    # every scope comes back: a fresh registry loads what the last save wrote
+    fresh = _checkpointer(out, rank, policy, keep_last=5)
+    fresh.registry["per_rank"][1].value = fresh.registry["shared"][1].value = -1
+    assert fresh.load(latest_checkpoint(out)) == {"model_path": model_dir}
+    assert fresh.registry["per_rank"][1].value == rank and fresh.registry["shared"][1].value == 3
 
 
 def test_torn_checkpoints_are_skipped_with_a_warning(tiny_model_dir, tmp_path, caplog):
@@ -93,6 +122,13 @@ def test_torn_checkpoints_are_skipped_with_a_warning(tiny_model_dir, tmp_path, c
     # a half-written save (.tmp folder) is ignored too
     shutil.copytree(root / "step_000001", root / "step_000009.tmp")
     assert latest_checkpoint(str(tmp_path)) == root / "step_000001"
+    # a checkpoint of the first format (no "format" in its marker) is refused with a message
+    marker = root / "step_000001" / MARKER
+    old = json.loads(marker.read_text())
+    del old["format"]
+    marker.write_text(json.dumps(old))
+    with pytest.raises(ConfigError, match="has format 1, this distflow reads format 2"):
+        Checkpointer(str(tmp_path), keep_last=1, rank=0).load(root / "step_000001")
 
 
 IDS = [[1, 5, 9, 33, 70, 2]]
@@ -100,12 +136,11 @@ IDS = [[1, 5, 9, 33, 70, 2]]
 
 def _save_perturbed(rank, world, model_dir, ckpt_root, out):
     cfg = DistflowConfig()
-    policy = Policy(model_dir, cfg.model, cfg.optim, torch.device("cpu"), world)
+    policy = Policy(model_dir, cfg.model, cfg.optim, ParallelLayout.current(cfg.model))
     with torch.no_grad():  # make the live weights differ from the base model
         for p in policy.model.parameters():
             p.to_local().mul_(1.01)
-    Checkpointer(ckpt_root, keep_last=1, rank=rank).save(
-        5, {"app": ModelOptimState(policy.model, policy.optimizer)}, {}, {"model_path": model_dir})
+    _checkpointer(ckpt_root, rank, policy, keep_last=1).save(5, meta={"model_path": model_dir})
     with torch.no_grad():
         live = policy.model(input_ids=torch.tensor(IDS)).logits
     if rank == 0:

@@ -36,10 +36,18 @@ def test_smoke_experiment_runs_and_logs_every_step(tmp_path, engine):
         assert r["timing/step_s"] > 0 and r["throughput/tokens_per_s"] > 0
     # the reward varies within groups, so the policy really moved every step
     assert all(r["grad_norm"] > 0 for r in rows), [r["grad_norm"] for r in rows]
-    # only rank 0 wrote Hydra's folder, and nothing per-rank or timestamped appeared
+    assert all(r["update/nonfinite_skipped"] == 0 for r in rows)
+    # only rank 0 wrote Hydra's folder, and nothing timestamped appeared; each rank has its log
     assert (out / ".hydra" / "config.yaml").is_file()
-    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == [".hydra", "checkpoints"]
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == [".hydra", "checkpoints", "logs"]
     assert (out / "summary.json").is_file() and (out / "training.png").stat().st_size > 0
+    # the console is quiet: third-party INFO and the per-resync warnings stay in the log files
+    logs = {r: (out / "logs" / f"rank_{r}.log").read_text() for r in (0, 1)}
+    assert "distflow: summary:" in proc.stdout
+    if engine == "vllm":
+        assert "non-default args" not in proc.stdout + proc.stderr
+        assert (proc.stdout + proc.stderr).count("Failed to load weights") <= 1
+        assert all("non-default args" in text and text.count("Failed to load weights") >= 3 for text in logs.values())
 
 
 def _fail_run(overrides, tmp_path):
@@ -58,6 +66,12 @@ def _assert_clean_failure(proc, needle: str, ranks: int = 2):
 def test_unknown_config_key_fails_on_every_rank(tmp_path):
     proc = _fail_run(["trainer.no_such_key=1"], tmp_path)
     _assert_clean_failure(proc, "Key 'no_such_key' not in")
+
+
+def test_appended_unknown_config_key_fails_on_every_rank(tmp_path):
+    """Hydra's append syntax gets past its own schema check; distflow's does not."""
+    proc = _fail_run(["+trainer.bogus_key=1"], tmp_path)
+    _assert_clean_failure(proc, "distflow: error: unknown config key trainer.bogus_key")
 
 
 def test_missing_model_folder_fails_on_every_rank(tmp_path):

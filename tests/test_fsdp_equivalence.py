@@ -11,10 +11,13 @@ import pytest
 import torch
 
 from dist_helpers import run_distributed
+from grad_helpers import assert_grads_close, full_grads, update_batch
 from distflow.algorithms import LOSS_AGG_MODES
+from distflow.batch import TokenBatch
 from distflow.config import DistflowConfig
 from distflow.distributed import all_reduce
-from distflow.policy import Policy, TokenBatch
+from distflow.layout import ParallelLayout
+from distflow.policy import Policy
 from distflow.rollout.base import Sample
 from distflow.update import backward_policy_loss
 
@@ -38,7 +41,7 @@ def _worker(rank, world, model_dir, out_path, shard_ranks=-1):
     cfg.model.shard_ranks = shard_ranks
     # 2 ranks also split by token budget instead of count: how a batch is cut must not matter either
     cfg.optim.micro_batch_tokens = 40 if world == 2 else 0
-    policy = Policy(model_dir, cfg.model, cfg.optim, torch.device("cpu"), world)
+    policy = Policy(model_dir, cfg.model, cfg.optim, ParallelLayout.current(cfg.model))
     samples, adv, olds = fixed_batch()
     per = len(samples) // world
     lo, hi = rank * per, (rank + 1) * per
@@ -48,10 +51,11 @@ def _worker(rank, world, model_dir, out_path, shard_ranks=-1):
             cfg.algorithm.loss_agg_mode = mode
             # with_ratio: old logprobs near the current ones, so the ratio straddles the clip range
             old = _perturbed_current(policy, samples[lo:hi], olds[lo:hi]) if with_ratio else None
-            stats = backward_policy_loss(policy, samples[lo:hi], adv[lo:hi], old, cfg, pad_id=0)
-            grads = {n: p.grad.full_tensor().clone() for n, p in policy.model.named_parameters()}
+            batch = update_batch(samples[lo:hi], adv[lo:hi], old)
+            sums = backward_policy_loss(policy, batch, list(range(len(batch))), cfg, pad_id=0)
+            grads = full_grads(policy.model)
             policy.optimizer.zero_grad(set_to_none=True)
-            results[(mode, with_ratio)] = (float(all_reduce(stats["loss"])), grads)
+            results[(mode, with_ratio)] = (float(all_reduce(sums.loss)), grads)
     if rank == 0:
         torch.save(results, out_path)
 
@@ -72,10 +76,7 @@ def test_sharded_loss_and_gradients_equal_single_process(tiny_model_dir, tmp_pat
         (l1, g1), (l2, g2) = one[key], two[key]
         assert l1 != 0.0
         assert abs(l1 - l2) <= 1e-5 * abs(l1), (key, l1, l2)
-        for name in g1:
-            scale = g1[name].abs().max().clamp(min=1e-12)
-            rel = float((g1[name] - g2[name]).abs().max() / scale)
-            assert rel <= 1e-5, (key, name, rel)
+        assert_grads_close(g1, g2, 1e-5, key)
 
 
 def _count_replica_all_reduces(rank, world, model_dir, out_path):
@@ -84,8 +85,9 @@ def _count_replica_all_reduces(rank, world, model_dir, out_path):
     cfg = DistflowConfig()
     cfg.model.shard_ranks = 1
     cfg.optim.micro_batch_size = 1
-    policy = Policy(model_dir, cfg.model, cfg.optim, torch.device("cpu"), world)
+    policy = Policy(model_dir, cfg.model, cfg.optim, ParallelLayout.current(cfg.model))
     samples, adv, _ = fixed_batch()
+    batch = update_batch(samples[rank::world], adv[rank::world])
     calls = []
     real_all_reduce = torch.distributed.all_reduce
 
@@ -96,7 +98,7 @@ def _count_replica_all_reduces(rank, world, model_dir, out_path):
 
     torch.distributed.all_reduce = counting
     try:
-        backward_policy_loss(policy, samples[rank::world], adv[rank::world], None, cfg, pad_id=0)
+        backward_policy_loss(policy, batch, list(range(len(batch))), cfg, pad_id=0)
     finally:
         torch.distributed.all_reduce = real_all_reduce
     if rank == 0:

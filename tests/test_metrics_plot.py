@@ -52,11 +52,21 @@ def test_jsonl_is_written_by_rank0_only_with_reduced_values(tmp_path):
     assert sorted(os.listdir(out)) == ["metrics.jsonl"]
 
 
-def test_jsonl_appends_on_resume_and_console_prints_on_main_only(tmp_path, capsys):
+@pytest.fixture
+def output_channel(tmp_path):
+    """The run's output channel (distflow.output), as the trainer sets it up on rank 0."""
+    from distflow.output import reset_output, setup_output
+
+    setup_output(str(tmp_path / "channel"), rank=0)
+    yield
+    reset_output()
+
+
+def test_jsonl_appends_on_resume_and_console_prints_on_main_only(tmp_path, capsys, output_channel):
     out = tmp_path / "run"
     MetricLogger(str(out), False, 3, progress_bar=False).log(_row(1))  # rank 1: nothing at all
     assert not out.exists()
-    for steps in ([1, 2], [3]):  # a run, then its resumption into the same folder
+    for steps in ([1, 2], [3]):  # a run, then a second one into the same folder that did not resume
         logger = MetricLogger(str(out), True, 3, progress_bar=False)
         for s in steps:
             logger.log(_row(s))
@@ -66,10 +76,15 @@ def test_jsonl_appends_on_resume_and_console_prints_on_main_only(tmp_path, capsy
     assert [r["step"] for r in _read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
     text = capsys.readouterr().out
     assert "step 2/3 | reward 0.500 | step 2.6s | eta" in text and "step 3/3" in text
-    assert "message after [3]" in text
+    assert "distflow: message after [3]" in text
+    # a resumed run rewrites the file to the checkpoint's history (steps after it are dropped)
+    logger = MetricLogger(str(out), True, 3, progress_bar=False, history=[_row(1), _row(2)])
+    logger.log(_row(3))
+    logger.close()
+    assert [r["step"] for r in _read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
 
 
-def test_console_progress_bar_shows_step_reward_and_resumes_mid_run(tmp_path, capsys):
+def test_console_progress_bar_shows_step_reward_and_resumes_mid_run(tmp_path, capsys, output_channel):
     logger = MetricLogger(str(tmp_path), True, 10, progress_bar=True, loggers=["console"])
     logger.log(_row(4))  # a resumed run: the bar starts at step 4 of 10
     logger.info("hello from info")

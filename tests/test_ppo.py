@@ -9,14 +9,16 @@ import pytest
 import torch
 
 from dist_helpers import run_distributed
+from grad_helpers import assert_grads_close, full_grads, update_batch
 from launch_helpers import read_metrics, torchrun
 from test_fsdp_equivalence import fixed_batch
-from distflow.algorithms import gae_advantages, local_sum, value_loss
+from distflow.algorithms import AdvantageInputs, gae_advantages, local_sum, value_loss
+from distflow.batch import TokenBatch
 from distflow.config import AlgorithmConfig, ConfigError, DistflowConfig
 from distflow.critic import Critic
 from distflow.distributed import all_reduce
-from distflow.policy import TokenBatch
-from distflow.update import backward_value_loss, per_sample_rows
+from distflow.layout import ParallelLayout
+from distflow.update import backward_value_loss, forward_rows
 
 
 # ----------------------------------------------------------------------------- GAE estimator
@@ -48,7 +50,7 @@ def test_gae_advantages_match_reference():
     penalty = torch.rand(4, 4, generator=g, dtype=torch.float64) * 0.1
     mask = torch.tensor([[1.0] * n + [0.0] * (4 - n) for n in lengths], dtype=torch.float64)
     rewards = torch.tensor([1.0, -0.5, 2.0, 0.25], dtype=torch.float64)
-    adv, ret = gae_advantages(rewards, values * mask, mask, cfg, local_sum, token_penalty=penalty)
+    adv, ret = gae_advantages(AdvantageInputs(rewards, -penalty * mask, mask, values * mask), cfg, local_sum)
     ref_adv, ref_ret = _reference_gae(rewards.tolist(), values.tolist(), lengths, penalty.tolist(), 0.9, 0.8, cfg.eps)
     for i, n in enumerate(lengths):
         np.testing.assert_allclose(adv[i, :n].numpy(), ref_adv[i], rtol=1e-5, atol=1e-6)
@@ -92,7 +94,7 @@ def _critic(model_dir, world, lr=1e-3):
     cfg.critic.enabled, cfg.critic.lr = True, lr
     cfg.algorithm.advantage = "gae"
     cfg.optim.micro_batch_size = 3
-    return cfg, Critic(model_dir, cfg.critic, cfg.model, cfg.optim, torch.device("cpu"), world)
+    return cfg, Critic(model_dir, cfg.critic, cfg.model, cfg.optim, ParallelLayout.current(cfg.model))
 
 
 def _values_worker(rank, world, model_dir, out_path):
@@ -131,22 +133,22 @@ def _sharding_worker(rank, world, model_dir, out_path):
     lo, hi = rank * per, (rank + 1) * per
     local = samples[lo:hi]
     rewards = torch.linspace(-1.0, 1.0, 8)[lo:hi]
-    values = per_sample_rows(critic.values, local, cfg, 0, critic.device)
-    width = max(1, max(len(s.response_ids) for s in local))
-    mask = torch.stack([torch.arange(width) < len(s.response_ids) for s in local]).float()
-    padded = torch.stack([torch.nn.functional.pad(v, (0, width - len(v))) for v in values])
-    adv, ret = gae_advantages(rewards, padded, mask, AlgorithmConfig(gamma=0.95, lam=0.9),
-                              lambda v: all_reduce(v).tolist())
+    tokens = TokenBatch.from_samples(local, 0, torch.device("cpu"))
+    padded, mask = forward_rows(critic.values, tokens, cfg, 0), tokens.resp_mask
+    adv, ret = gae_advantages(AdvantageInputs(rewards, torch.zeros_like(mask), mask, padded),
+                              AlgorithmConfig(gamma=0.95, lam=0.9), lambda v: all_reduce(v).tolist())
+    values = [padded[i, : len(s.response_ids)] for i, s in enumerate(local)]
     returns = [ret[i, : len(s.response_ids)] + 0.3 * noise[lo + i] for i, s in enumerate(local)]
     old = [v + 0.05 * noise[lo + i] for i, v in enumerate(values)]  # puts some tokens past the clip
+    batch = update_batch(local, values=old, returns=returns)
     cfg.critic.value_clip = 0.02
     results = {}
     for mode in ("token-mean", "seq-mean-token-mean"):
         cfg.algorithm.loss_agg_mode = mode
-        stats = backward_value_loss(critic, local, old, returns, cfg, pad_id=0)
-        grads = {n: p.grad.full_tensor().clone() for n, p in critic.model.named_parameters()}
+        sums = backward_value_loss(critic, batch, list(range(len(batch))), cfg, pad_id=0)
+        grads = full_grads(critic.model)
         critic.optimizer.zero_grad(set_to_none=True)
-        results[mode] = (float(all_reduce(stats["value_loss"])), float(all_reduce(stats["value_clipped"])), grads)
+        results[mode] = (float(all_reduce(sums.value_loss)), float(all_reduce(sums.value_clipped)), grads)
     gathered = [None] * world
     torch.distributed.all_gather_object(gathered, [a[: len(s.response_ids)].tolist() for a, s in zip(adv, local)])
     if rank == 0:
@@ -163,9 +165,7 @@ def test_critic_loss_gradients_and_advantages_are_sharding_invariant(tiny_model_
         l2, c2, g2 = two["results"][mode]
         assert l1 > 0 and math.isclose(l1, l2, rel_tol=1e-5), (mode, l1, l2)
         assert c1 == c2 and c1 > 0, (mode, c1, c2)  # the clip is active, and identically so
-        for name in g1:
-            scale = g1[name].abs().max().clamp(min=1e-12)
-            assert float((g1[name] - g2[name]).abs().max() / scale) <= 1e-5, (mode, name)
+        assert_grads_close(g1, g2, 1e-5, mode)
 
 
 # ----------------------------------------------------------------------------- config and runs

@@ -11,12 +11,15 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from dist_helpers import run_distributed
+from grad_helpers import assert_grads_close, full_grads, update_batch
 from launch_helpers import ROOT
 from test_fsdp_equivalence import fixed_batch
-from distflow.algorithms import ADVANTAGE_ESTIMATORS, CRITIC_ESTIMATORS, LOSS_AGG_MODES
+from distflow.algorithms import ADVANTAGE_ESTIMATORS, CRITIC_ESTIMATORS, LOSS_AGG_MODES, AdvantageInputs
+from distflow.batch import TokenBatch
 from distflow.config import AlgorithmConfig, DistflowConfig
 from distflow.distributed import all_reduce
-from distflow.policy import Policy, TokenBatch
+from distflow.layout import ParallelLayout
+from distflow.policy import Policy
 from distflow.update import backward_policy_loss
 
 GROUP = 4
@@ -39,20 +42,22 @@ def _near_current(policy, samples, noise, scale):
 
 
 def _advantages(a: AlgorithmConfig, rewards, local, noise):
+    """[N, R] advantages through the trainer's one estimator signature."""
     global_sum = lambda v: all_reduce(v).tolist()  # noqa: E731
-    if a.advantage in CRITIC_ESTIMATORS:  # token-level; fixed stand-in values (the critic has its own test)
-        width = max(len(s.response_ids) for s in local)
-        mask = torch.stack([torch.arange(width) < len(s.response_ids) for s in local]).float()
+    width = max(len(s.response_ids) for s in local)
+    mask = torch.stack([torch.arange(width) < len(s.response_ids) for s in local]).float()
+    values = None
+    if a.advantage in CRITIC_ESTIMATORS:  # fixed stand-in values (the critic has its own test)
         values = torch.stack([torch.nn.functional.pad(n, (0, width - len(n))) for n in noise]) * mask
-        return CRITIC_ESTIMATORS[a.advantage](rewards, values, mask, a, global_sum)[0]
-    return ADVANTAGE_ESTIMATORS[a.advantage](rewards.view(-1, GROUP), a, global_sum).reshape(-1)
+    inputs = AdvantageInputs(rewards, torch.zeros_like(mask), mask, values)
+    return ADVANTAGE_ESTIMATORS[a.advantage](inputs, a, global_sum)[0]
 
 
 def _worker(rank, world, model_dir, out_path):
     torch.manual_seed(0)
     cfg = DistflowConfig()
     cfg.optim.micro_batch_size = 3
-    policy = Policy(model_dir, cfg.model, cfg.optim, torch.device("cpu"), world)
+    policy = Policy(model_dir, cfg.model, cfg.optim, ParallelLayout.current(cfg.model))
     samples, _, noise = fixed_batch(n=8)
     rewards = torch.tensor([[1.0, 0.0, 0.5, 0.0], [0.0, 0.0, 1.0, 1.0]])
     per = len(samples) // world
@@ -67,14 +72,14 @@ def _worker(rank, world, model_dir, out_path):
         cfg.algorithm = _algorithm(path)
         adv = _advantages(cfg.algorithm, rewards.reshape(-1)[lo:hi], local, noise[lo:hi])
         gathered = [None] * world
-        dist.all_gather_object(gathered, [a[: len(s.response_ids)].tolist() if adv.dim() == 2 else a.item()
-                                          for a, s in zip(adv, local)])
+        dist.all_gather_object(gathered, [a[: len(s.response_ids)].tolist() for a, s in zip(adv, local)])
+        batch = update_batch(local, adv, old, ref)
         for mode in LOSS_AGG_MODES:
             cfg.algorithm.loss_agg_mode = mode
-            stats = backward_policy_loss(policy, local, adv, old, cfg, pad_id=0, ref_logprobs=ref)
-            grads = {n: p.grad.full_tensor().clone() for n, p in policy.model.named_parameters()}
+            sums = backward_policy_loss(policy, batch, list(range(len(batch))), cfg, pad_id=0)
+            grads = full_grads(policy.model)
             policy.optimizer.zero_grad(set_to_none=True)
-            results[(path.stem, mode)] = (sum(gathered, []), float(all_reduce(stats["loss"])), grads)
+            results[(path.stem, mode)] = (sum(gathered, []), float(all_reduce(sums.loss)), grads)
     if rank == 0:
         torch.save(results, out_path)
 
@@ -90,7 +95,4 @@ def test_every_algorithm_and_mode_is_sharding_invariant(tiny_model_dir, tmp_path
         for x1, x2 in zip(a1, a2):
             torch.testing.assert_close(torch.tensor(x1), torch.tensor(x2), rtol=1e-5, atol=1e-6, msg=str(key))
         assert l1 != 0.0 and abs(l1 - l2) <= 1e-5 * abs(l1), (key, l1, l2)
-        for name in g1:
-            scale = g1[name].abs().max().clamp(min=1e-12)
-            rel = float((g1[name] - g2[name]).abs().max() / scale)
-            assert rel <= 1e-5, (key, name, rel)
+        assert_grads_close(g1, g2, 1e-5, key)

@@ -12,7 +12,9 @@ import torch
 
 from dist_helpers import run_distributed
 from distflow.config import DistflowConfig
-from distflow.policy import Policy, TokenBatch
+from distflow.batch import TokenBatch
+from distflow.layout import ParallelLayout
+from distflow.policy import Policy
 from distflow.rollout import Sample, build_engine
 from distflow.rollout.weight_sync import full_parameters
 
@@ -39,7 +41,7 @@ def _worker(rank, world, model_dir, engine_name, out):
     cfg.rollout.engine = engine_name
     cfg.rollout.max_new_tokens = 8
     engine = build_engine(model_dir, cfg.model, cfg.rollout, torch.device("cpu"), seed=0)
-    policy = Policy(model_dir, cfg.model, cfg.optim, torch.device("cpu"), world)
+    policy = Policy(model_dir, cfg.model, cfg.optim, ParallelLayout.current(cfg.model))
     seqs = [[5 + rank, 17, 42, 99, 7, 64, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
     before = _max_diff(engine.prompt_logprobs(seqs), _policy_logprobs(policy, seqs))
     with torch.no_grad():  # perturb every parameter shard (the tied embedding too)

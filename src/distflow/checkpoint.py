@@ -1,10 +1,18 @@
 """Sharded, atomic checkpoints with torch.distributed.checkpoint (DCP), and resume.
 
-Layout: <output_dir>/checkpoints/step_000012/ holding DCP shards (model + optimizer, written
-by every rank in parallel), `rank_<r>.json` (that rank's RNG and loader state) and, written
-last by rank 0, `COMPLETE` (step, metric history). A checkpoint is written into a `.tmp`
-folder and renamed only once complete, so a crash mid-save never leaves a folder that looks
-loadable; `latest_checkpoint` also skips (with a warning) any folder without the marker.
+Everything a run must restore is registered once with the `Checkpointer`, as a DCP `Stateful`
+(an object with state_dict/load_state_dict) in one of three scopes:
+
+  sharded   DCP shards, written by every rank in parallel (each model with its optimizer)
+  rank      this rank's own state, in `rank_<r>.json` (RNG streams, the data sampler)
+  shared    the same on every rank, in the `COMPLETE` marker rank 0 writes last (LR schedules,
+            the trainer's counters and metric history)
+
+Save and load loop over the registry; nothing else names what a checkpoint holds. Layout:
+<output_dir>/checkpoints/step_000012/. A checkpoint is written into a `.tmp` folder and renamed
+only once complete, so a crash mid-save never leaves a folder that looks loadable;
+`latest_checkpoint` also skips (with a warning) any folder without the marker. The marker
+carries FORMAT; a checkpoint of another format is refused with a message that says so.
 """
 
 from __future__ import annotations
@@ -31,11 +39,14 @@ from distflow.distributed import barrier
 log = logging.getLogger("distflow")
 
 MARKER = "COMPLETE"
+FORMAT = 2  # 1: the first layout (policy under "app", hand-kept keys); 2: the registry
+SCOPES = ("sharded", "rank", "shared")
+POLICY = "policy"  # the policy's name in the registry: DCP keys start with it (distflow.export reads them)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 class ModelOptimState(Stateful):
-    """The FSDP2 model and its optimizer as one DCP-stateful object (sharded on save/load)."""
+    """An FSDP2 model and its optimizer (None for a frozen model) as one sharded DCP state."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None):
         self.model, self.optimizer = model, optimizer
@@ -51,22 +62,23 @@ class ModelOptimState(Stateful):
                        optim_state_dict=state.get("optim", {}), options=StateDictOptions(strict=True))
 
 
-def rng_state() -> dict[str, Any]:
-    """Every RNG that can affect the run, as JSON-safe data (torch, python, numpy)."""
-    np_state = np.random.get_state()
-    return {
-        "torch": torch.get_rng_state().tolist(),
-        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
-        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-    }
+class RNGState(Stateful):
+    """Every RNG that can affect the run (torch, python, numpy), as JSON-safe data."""
 
+    def state_dict(self) -> dict[str, Any]:
+        np_state = np.random.get_state()
+        return {
+            "torch": torch.get_rng_state().tolist(),
+            "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+            "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        }
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
 def _step_of(path: Path) -> int | None:
@@ -106,26 +118,48 @@ def is_complete(path: Path) -> bool:
 
 
 class Checkpointer:
-    def __init__(self, output_dir: str, keep_last: int, rank: int):
+    def __init__(self, output_dir: str, keep_last: int, rank: int, every: int = 0):
         self.root = Path(output_dir) / "checkpoints"
         self.keep_last = max(1, keep_last)
-        self.rank = rank
+        self.rank, self.every = rank, every
+        self.registry: dict[str, tuple[str, Stateful]] = {}
 
-    def save(self, step: int, states: dict[str, Stateful], rank_state: dict, shared_state: dict) -> Path:
-        """Collective: every rank calls it. `states` (e.g. {"app": ModelOptimState(...)}) go to DCP;
-        `shared_state` (identical on all ranks) goes in the marker."""
+    def register(self, name: str, state: Stateful, scope: str) -> None:
+        """Add `state` to every later save and load, under `name`."""
+        if scope not in SCOPES:
+            raise ValueError(f"unknown checkpoint scope {scope!r}; choose from {SCOPES}")
+        if name in self.registry:
+            raise ValueError(f"checkpoint state {name!r} is registered twice")
+        self.registry[name] = (scope, state)
+
+    def _scope(self, scope: str) -> dict[str, Stateful]:
+        return {name: state for name, (s, state) in self.registry.items() if s == scope}
+
+    def maybe_save(self, step: int, last: bool, meta: dict | None = None) -> Path | None:
+        """Save at the configured interval and at the end of the run (collective)."""
+        if last or (self.every and step % self.every == 0):
+            return self.save(step, meta)
+        return None
+
+    def save(self, step: int, meta: dict | None = None) -> Path:
+        """Collective: every rank calls it. `meta` (identical on all ranks) goes in the marker, for people."""
         final = self.root / f"step_{step:06d}"
         tmp = self.root / f"step_{step:06d}.tmp"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
-        dcp.save(states, checkpoint_id=str(tmp))
+        sharded = self._scope("sharded")
+        if sharded:
+            dcp.save(sharded, checkpoint_id=str(tmp))
+        rank_state = {name: s.state_dict() for name, s in self._scope("rank").items()}
         (tmp / f"rank_{self.rank}.json").write_text(json.dumps(rank_state))
+        shared = {name: s.state_dict() for name, s in self._scope("shared").items()}
         barrier()
         if self.rank == 0:
             files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
-            (tmp / MARKER).write_text(json.dumps({"step": step, "files": files, **shared_state}))
+            (tmp / MARKER).write_text(json.dumps({"format": FORMAT, "step": step, "files": files,
+                                                  "meta": meta or {}, "state": shared}))
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             self._prune()
@@ -137,16 +171,39 @@ class Checkpointer:
         for old in complete[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 
-    def load(self, path: Path, states: dict[str, Stateful]) -> tuple[dict, dict]:
-        """Collective. Returns (this rank's state, the shared state from the marker)."""
-        if not is_complete(path):
-            raise ConfigError(f"checkpoint {path} is incomplete (no {MARKER} marker or a truncated file)")
-        dcp.load(states, checkpoint_id=str(path))
+    def load(self, path: Path) -> dict:
+        """Collective: restore every registered state from `path`; returns the marker's meta."""
+        marker = read_marker(path)
         rank_file = path / f"rank_{self.rank}.json"
         if not rank_file.is_file():
             world = dist.get_world_size() if dist.is_initialized() else 1
             raise ConfigError(f"checkpoint {path} has no state for rank {self.rank}; was it saved with world size {world}?")
-        return json.loads(rank_file.read_text()), json.loads((path / MARKER).read_text())
+        missing = [n for n in self._scope("shared") if n not in marker["state"]]
+        rank_state = json.loads(rank_file.read_text())
+        missing += [n for n in self._scope("rank") if n not in rank_state]
+        if missing:
+            raise ConfigError(f"checkpoint {path} holds no state for {', '.join(missing)} (a run with another "
+                              "algorithm or model setup wrote it)")
+        sharded = self._scope("sharded")
+        if sharded:
+            dcp.load(sharded, checkpoint_id=str(path))
+        for name, state in self._scope("rank").items():
+            state.load_state_dict(rank_state[name])
+        for name, state in self._scope("shared").items():
+            state.load_state_dict(marker["state"][name])
+        return marker.get("meta", {})
+
+
+def read_marker(path: Path) -> dict:
+    """The marker of a complete checkpoint of this format; ConfigError otherwise."""
+    if not is_complete(path):
+        raise ConfigError(f"checkpoint {path} is incomplete (no {MARKER} marker or a truncated file)")
+    marker = json.loads((path / MARKER).read_text())
+    if marker.get("format", 1) != FORMAT:
+        raise ConfigError(f"checkpoint {path} has format {marker.get('format', 1)}, this distflow reads format "
+                          f"{FORMAT}; resume it with the distflow that wrote it, or start fresh with "
+                          "trainer.resume=never (or another trainer.output_dir)")
+    return marker
 
 
 def resolve_resume(resume: str, output_dir: str) -> Path | None:

@@ -7,6 +7,7 @@ objects, never Hydra. `validate()` checks cross-field rules before any model is 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -157,6 +158,13 @@ class TrainerConfig:
     # SmolLM2 step on CPU), so not every step by default.
     sync_probe_every: int = 10
     progress_bar: bool = True
+    # Third-party messages (vLLM, transformers, ...) on rank 0's console from this level up
+    # (DEBUG | INFO | WARNING | ERROR); INFO also shows the warnings expected on every resync.
+    # Every rank's <output_dir>/logs/rank_<r>.log holds everything regardless.
+    log_level: str = "WARNING"
+    # A step whose loss or gradient norm is not finite on any rank is skipped on all ranks
+    # (update/nonfinite_skipped); this many consecutive skipped steps stop the run.
+    max_nonfinite_steps: int = 3
     loggers: List[str] = field(default_factory=lambda: ["console", "jsonl"])  # + wandb, tensorboard
     wandb_project: str = "distflow"
     plot_at_end: bool = True
@@ -170,7 +178,8 @@ class TrainerConfig:
     val_before_train: bool = False
     val_at_end: bool = False
     val_pass_k: int = 0  # 0 = greedy pass@1 only
-    # Test-only fault injection: "RANK:STEP[:kill|raise]" fails that rank during that step.
+    # Test-only fault injection: "RANK:STEP[:kill|raise|nan]" fails that rank during that step
+    # ("STEP+": that step and every later one; nan makes the rank's loss NaN).
     fault_inject: str = ""
 
 
@@ -199,6 +208,9 @@ class DistflowConfig:
             (self.data.prompts_per_rank >= 1, "data.prompts_per_rank must be >= 1"),
             (self.trainer.steps >= 0, "trainer.steps must be >= 0"),
             (self.trainer.sync_probe_every >= 1, "trainer.sync_probe_every must be >= 1"),
+            (self.trainer.max_nonfinite_steps >= 1, "trainer.max_nonfinite_steps must be >= 1"),
+            (self.trainer.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"),
+             f"trainer.log_level must be DEBUG, INFO, WARNING or ERROR, got {self.trainer.log_level!r}"),
             (self.model.dtype in ("float32", "bfloat16", "float16"), f"model.dtype {self.model.dtype!r} unsupported"),
             (self.model.shard_ranks == -1 or self.model.shard_ranks >= 1,
              f"model.shard_ranks must be -1 (all ranks) or >= 1, got {self.model.shard_ranks}"),
@@ -241,15 +253,15 @@ def _check_model_path(path: str) -> None:
         raise ConfigError(f"model.path {path!r} is not a folder (expected a local HF model folder or a hub name)")
 
 
-def from_dict(d: dict[str, Any]) -> DistflowConfig:
-    """Build a config from a plain nested dict (what OmegaConf.to_container gives); rejects unknown keys."""
-    cfg = DistflowConfig()
-    for section, values in d.items():
-        if not hasattr(cfg, section):
-            raise ConfigError(f"unknown config section {section!r}")
-        sub = getattr(cfg, section)
-        for k, v in (values or {}).items():
-            if not hasattr(sub, k):
-                raise ConfigError(f"unknown config key {section}.{k}")
-            setattr(sub, k, v)
-    return cfg
+def check_known_keys(tree: dict[str, Any], schema: type = DistflowConfig, prefix: str = "") -> None:
+    """ConfigError naming the first key of a composed config (a plain nested dict) that the schema
+    does not declare. Hydra's append syntax (`+trainer.key=value`) gets past its own schema
+    check, so the entry point checks the composed result once more. Dict-typed keys are open."""
+    defaults = schema()
+    names = {f.name for f in dataclasses.fields(schema)}
+    for key, value in tree.items():
+        if key not in names:
+            raise ConfigError(f"unknown config key {prefix}{key} (see distflow.config for the declared keys)")
+        default = getattr(defaults, key)
+        if dataclasses.is_dataclass(default) and isinstance(value, dict):
+            check_known_keys(value, type(default), f"{prefix}{key}.")

@@ -10,19 +10,21 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForTokenClassification
 
+from distflow.batch import TokenBatch
 from distflow.config import CriticConfig, ModelConfig, OptimConfig
-from distflow.policy import ShardedModel, TokenBatch, response_window_index
+from distflow.layout import ParallelLayout
+from distflow.policy import ShardedModel, response_window_index
 
 
 class Critic(ShardedModel):
     def __init__(self, model_path: str, critic: CriticConfig, model_cfg: ModelConfig, optim: OptimConfig,
-                 device: torch.device, world_size: int):
+                 layout: ParallelLayout):
         # No dropout on the head: values must be a deterministic function of the weights.
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=model_cfg.trust_remote_code)
         config.num_labels, config.classifier_dropout = 1, 0.0
         model = AutoModelForTokenClassification.from_pretrained(
             model_path, config=config, dtype=torch.float32, trust_remote_code=model_cfg.trust_remote_code)
-        super().__init__(model, model_cfg, optim, device, world_size, lr=critic.lr, warmup_steps=critic.lr_warmup_steps)
+        super().__init__(model, model_cfg, optim, layout, lr=critic.lr, warmup_steps=critic.lr_warmup_steps)
 
     def values(self, batch: TokenBatch) -> torch.Tensor:
         """V(state before each response token), [B, R], 0 beyond each response.

@@ -9,7 +9,6 @@ group: DCP reads the sharded checkpoint into one unsharded model.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -17,7 +16,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from distflow.checkpoint import MARKER, is_complete
+from distflow.checkpoint import POLICY, read_marker
+from distflow.config import ConfigError
 
 
 def save_hf_folder(model_path: str, state_dict: dict[str, torch.Tensor], out_dir: str) -> str:
@@ -32,15 +32,28 @@ def save_hf_folder(model_path: str, state_dict: dict[str, torch.Tensor], out_dir
     return out_dir
 
 
+def export_live(model: torch.nn.Module, model_path: str, out_dir: str, write: bool) -> None:
+    """Collective: every rank gathers the FSDP2 model's full weights; the rank with `write` saves them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from distflow.distributed import barrier
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if write:
+        save_hf_folder(model_path, full, out_dir)
+    barrier()
+
+
 def export_checkpoint(checkpoint: str, out_dir: str) -> str:
     path = Path(checkpoint)
-    if not is_complete(path):
-        raise SystemExit(f"distflow.export: error: {checkpoint} is not a complete checkpoint (no {MARKER} marker)")
-    model_path = json.loads((path / MARKER).read_text())["model_path"]
+    try:
+        model_path = read_marker(path)["meta"]["model_path"]
+    except ConfigError as e:
+        raise SystemExit(f"distflow.export: error: {e}") from None
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    state = {"app": {"model": model.state_dict()}}
+    state = {POLICY: {"model": model.state_dict()}}
     dcp.load(state, checkpoint_id=str(path))
-    return save_hf_folder(model_path, state["app"]["model"], out_dir)
+    return save_hf_folder(model_path, state[POLICY]["model"], out_dir)
 
 
 def main(argv: list[str] | None = None) -> None:

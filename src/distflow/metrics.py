@@ -7,8 +7,9 @@ Loggers are chosen by name (`trainer.loggers`), several at once:
 
   console      tqdm bar on rank 0 (step/total, reward, step time, ETA) and `info()` messages;
                with progress_bar=False one plain line per step instead (friendlier in batch logs)
-  jsonl        <output_dir>/metrics.jsonl, one JSON object per step, opened in append mode so a
-               resumed run continues the same file
+  jsonl        <output_dir>/metrics.jsonl, one JSON object per step; a resumed run first rewrites
+               it with the checkpoint's history (steps logged after the last checkpoint by the run
+               that died are dropped, so each step appears once), then appends
   wandb        Weights & Biases run under <output_dir>/wandb, initialised with the run config;
                honours WANDB_MODE (offline works with no network). The run id is kept in
                <output_dir>/wandb_run_id, so a resumed run continues the same W&B run.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import secrets
@@ -27,6 +29,8 @@ from typing import Any, Iterable
 
 from distflow.config import ConfigError
 from distflow.distributed import all_reduce
+
+log = logging.getLogger("distflow")
 
 LOGGERS = ("console", "jsonl", "wandb", "tensorboard")
 DEFAULT_LOGGERS = ("console", "jsonl")
@@ -106,21 +110,17 @@ class _Console:
         print(f"step {step}/{self.total} | reward {postfix['reward']} | step {postfix['step_s']}s | eta {eta}",
               flush=True)
 
-    def info(self, message: str) -> None:
-        if self.bar is not None:
-            self.bar.write(message)
-        else:
-            print(message, flush=True)
-
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
 
 
 class _Jsonl:
-    def __init__(self, output_dir: str):
+    def __init__(self, output_dir: str, history: list[dict] | None):
         self.path = os.path.join(output_dir, "metrics.jsonl")
-        self.file = open(self.path, "a", encoding="utf-8")
+        self.file = open(self.path, "a" if history is None else "w", encoding="utf-8")
+        self.file.writelines(json.dumps(m) + "\n" for m in history or [])
+        self.file.flush()
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         self.file.write(json.dumps(metrics, sort_keys=False) + "\n")
@@ -184,7 +184,8 @@ class MetricLogger:
 
     def __init__(self, output_dir: str, is_main: bool, total_steps: int, progress_bar: bool = True,
                  loggers: Iterable[str] | None = None, run_config: dict | Any | None = None,
-                 project: str = "distflow"):
+                 project: str = "distflow", history: list[dict] | None = None):
+        """history: a resumed run's logged steps (metrics.jsonl is rewritten to exactly these)."""
         self.names = check_logger_names(loggers)
         self.active = is_main
         self.output_dir = output_dir
@@ -204,7 +205,7 @@ class MetricLogger:
                     self.console = _Console(total_steps, progress_bar)
                     self.backends.append(self.console)
                 elif name == "jsonl":
-                    self.backends.append(_Jsonl(output_dir))
+                    self.backends.append(_Jsonl(output_dir, history))
                 elif name == "wandb":
                     self.backends.append(_Wandb(output_dir, project, run_config))
                 elif name == "tensorboard":
@@ -228,9 +229,30 @@ class MetricLogger:
             backend.log(metrics, step)
 
     def info(self, message: str) -> None:
-        """A one-line message for the user: printed by the console logger on rank 0."""
-        if self.active and self.console is not None:
-            self.console.info(message)
+        """A one-line message for the user, through the run's output channel (distflow.output)."""
+        if self.active:
+            log.info(message)
+
+    def finish(self, summary: dict, plots: bool = True) -> str:
+        """End of run: summary.json and the plots (rank 0 writes), and the headline numbers."""
+        path = os.path.join(self.output_dir, "summary.json")
+        if not self.active:
+            return path
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=2)
+        if plots:
+            from distflow.plot import write_plots
+
+            for plot in write_plots(self.output_dir):
+                self.info(f"plot: {plot}")
+        for when in ("before", "after"):
+            if f"heldout_pass1_{when}" in summary:
+                self.info(f"held-out pass@1 {when} training: {summary[f'heldout_pass1_{when}']:.3f} "
+                          f"({summary['heldout_items']} items)")
+        if "heldout_pass1_delta" in summary:
+            self.info(f"held-out pass@1 change: {summary['heldout_pass1_delta']:+.3f}")
+        self.info(f"summary: {path}")
+        return path
 
     def close(self) -> None:
         if not self.active or self._closed:

@@ -8,51 +8,18 @@ ranks by FSDP; the loss code compensates with a global normaliser (see algorithm
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from distflow.algorithms.kl import entropy_from_logits
+from distflow.batch import TokenBatch
 from distflow.config import ModelConfig, OptimConfig
-from distflow.rollout.base import Sample
-
-
-@dataclass
-class TokenBatch:
-    """Left-padded sequences, so every response ends at the last column.
-
-    Left padding lets the forward pass compute logits only for the last R+1 positions
-    (`logits_to_keep`), which hold every response token; the LM head over prompt tokens —
-    a large share of a small model's FLOPs — is skipped. Position ids are explicit, so
-    padding never shifts positions (they match the engine's 0..n-1).
-    """
-
-    input_ids: torch.Tensor  # [B, L]
-    attention_mask: torch.Tensor  # [B, L]
-    position_ids: torch.Tensor  # [B, L]
-    resp_len: torch.Tensor  # [B] response tokens per row
-    resp_mask: torch.Tensor  # [B, R] 1 on real (trained) response tokens, left-aligned
-
-    @staticmethod
-    def from_samples(samples: list[Sample], pad_id: int, device: torch.device, drop_truncated: bool = False) -> "TokenBatch":
-        """drop_truncated zeroes the response mask of samples cut at max_new_tokens (DAPO overlong filter)."""
-        seqs = [s.prompt_ids + s.response_ids for s in samples]
-        width = max(len(s) for s in seqs)
-        resp_width = max(1, max(len(s.response_ids) for s in samples))
-        ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-        attn = torch.zeros((len(seqs), width), dtype=torch.long)
-        rmask = torch.zeros((len(seqs), resp_width), dtype=torch.float32)
-        for i, (seq, s) in enumerate(zip(seqs, samples)):
-            ids[i, width - len(seq):] = torch.tensor(seq)
-            attn[i, width - len(seq):] = 1
-            rmask[i, : len(s.response_ids)] = 0.0 if (drop_truncated and s.truncated) else 1.0
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        resp_len = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.long)
-        return TokenBatch(ids.to(device), attn.to(device), pos.to(device), resp_len.to(device), rmask.to(device))
+from distflow.distributed import all_reduce
+from distflow.layout import ParallelLayout
 
 
 def _decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -77,25 +44,15 @@ def response_window_index(batch: TokenBatch) -> torch.Tensor:
     return (width - batch.resp_len[:, None] + t).clamp(max=width - 1)
 
 
-def data_parallel_mesh(device: torch.device, world_size: int, shard_ranks: int):
-    """FSDP2's mesh: parameters sharded over groups of `shard_ranks` ranks (-1 = all, plain FSDP)
-    and replicated across groups (HSDP; 1 = every rank holds everything, gradients all-reduced
-    as in DDP). Small models on slow links gain from fewer parameter gathers."""
-    shard = world_size if shard_ranks == -1 else shard_ranks
-    if shard == world_size:
-        return init_device_mesh(device.type, (world_size,))
-    return init_device_mesh(device.type, (world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
-
-
 class ShardedModel:
     """An HF model sharded with FSDP2 (each decoder block, then the root), its AdamW optimizer
     and linear-warm-up LR schedule. trainable=False freezes it and builds no optimizer."""
 
-    def __init__(self, model: torch.nn.Module, model_cfg: ModelConfig, optim: OptimConfig, device: torch.device,
-                 world_size: int, trainable: bool = True, lr: float | None = None, warmup_steps: int | None = None):
-        self.device = device
+    def __init__(self, model: torch.nn.Module, model_cfg: ModelConfig, optim: OptimConfig, layout: ParallelLayout,
+                 trainable: bool = True, lr: float | None = None, warmup_steps: int | None = None):
+        self.device = device = layout.device
         model.config.use_cache = False
-        mesh = data_parallel_mesh(device, world_size, model_cfg.shard_ranks)
+        mesh = layout.fsdp_mesh
         compute = getattr(torch, model_cfg.dtype)
         mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute != torch.float32 else MixedPrecisionPolicy()
         for block in _decoder_blocks(model):
@@ -136,15 +93,20 @@ class ShardedModel:
         there is no replicate dimension and this changes nothing."""
         self.model.set_requires_all_reduce(enabled, recurse=True)
 
-    def step(self) -> float:
-        """Clip gradients, take one optimizer step; returns the pre-clip global grad norm."""
+    def step(self, loss: float) -> tuple[float, bool]:
+        """Clip gradients and take one optimizer step, unless this rank's `loss` or the global
+        gradient norm is not finite on ANY rank (one all_reduce decides, so every rank agrees):
+        then the gradients are dropped and the weights, optimizer and schedule stay untouched.
+        Returns (pre-clip global grad norm, whether the step was taken)."""
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        self.optimizer.step()
-        self.scheduler.step()
+        norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        bad = not (math.isfinite(loss) and math.isfinite(norm))
+        taken = float(all_reduce(float(bad), "max")) == 0.0
+        if taken:
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm, taken
 
     @property
     def lr(self) -> float:
@@ -154,13 +116,13 @@ class ShardedModel:
 class Policy(ShardedModel):
     """The causal LM being trained; trainable=False builds the frozen KL reference."""
 
-    def __init__(self, model_path: str, model_cfg: ModelConfig, optim: OptimConfig, device: torch.device,
-                 world_size: int, trainable: bool = True):
+    def __init__(self, model_path: str, model_cfg: ModelConfig, optim: OptimConfig, layout: ParallelLayout,
+                 trainable: bool = True):
         # fp32 master weights always; bf16/fp16 only as FSDP's compute dtype.
         model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=torch.float32, trust_remote_code=model_cfg.trust_remote_code
         )
-        super().__init__(model, model_cfg, optim, device, world_size, trainable)
+        super().__init__(model, model_cfg, optim, layout, trainable)
 
     def logprobs(self, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
         """log p(response token | prefix) at `temperature`, shape [B, R] (0 beyond each response)."""

@@ -1,9 +1,13 @@
-"""Turn generated groups into rewards: decode, build reward calls, run them in the pool."""
+"""Turn generated groups into rewards (decode, build reward calls, run them in the pool), and
+shape them into what the advantage estimator reads."""
 
 from __future__ import annotations
 
 import torch
 
+from distflow.algorithms import overlong_penalty, token_kl
+from distflow.batch import TokenBatch
+from distflow.config import AlgorithmConfig
 from distflow.data.prompts import PromptItem
 from distflow.rewards.pool import RewardPool
 from distflow.rollout.base import Sample
@@ -26,3 +30,23 @@ def score_groups(pool: RewardPool, tokenizer, items: list[PromptItem], samples: 
     rewards, stats = pool.score(calls) if calls else ([], {})
     counts = {k: float(stats.get(k, 0)) for k in REWARD_FAILURES}
     return torch.tensor(rewards, dtype=torch.float32).view(-1, group_size), counts
+
+
+def shape_rewards(rewards: torch.Tensor, tokens: TokenBatch, a: AlgorithmConfig, max_new_tokens: int,
+                  old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reward shaping between scoring and the advantage estimator: (scores [N], token rewards [N, R]).
+
+    - DAPO's soft overlong punishment (algorithm.overlong_buffer_len > 0) is added to the score.
+    - With algorithm.kl_in_reward, -beta * KL(old || ref) is a reward on every response token
+      (verl's kl_in_reward); sequence-level estimators sum it, GAE uses it per token.
+    """
+    mask = tokens.resp_mask.cpu()
+    scores = rewards.reshape(-1).to(torch.float32).clone()
+    if a.overlong_buffer_len > 0:
+        scores += overlong_penalty(tokens.resp_len.cpu().to(torch.float32), max_new_tokens,
+                                   a.overlong_buffer_len, a.overlong_penalty)
+    token_rewards = torch.zeros_like(mask)
+    if a.kl_coef > 0 and a.kl_in_reward and len(tokens):
+        token_rewards = -a.kl_coef * token_kl(old_logprobs.cpu(), ref_logprobs.cpu(), mask, a.kl_estimator)
+    return scores, token_rewards

@@ -5,6 +5,8 @@ on its name.
 """
 
 from distflow.algorithms.advantages import (
+    AdvantageInputs,
+    Estimator,
     GlobalSum,
     dynamic_sampling_keep,
     gae,
@@ -16,6 +18,7 @@ from distflow.algorithms.advantages import (
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
     rloo_advantages,
+    sequence_estimator,
     whiten_global,
 )
 from distflow.algorithms.kl import KL_ESTIMATORS, entropy_from_logits, kl_penalty, sequence_kl, token_kl
@@ -33,12 +36,17 @@ from distflow.algorithms.registry import (
     ADVANTAGE_ESTIMATORS,
     CRITIC_ESTIMATORS,
     POLICY_LOSSES,
+    SEQUENCE_ESTIMATORS,
     compute_token_loss,
     validate_algorithm,
 )
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "AdvantageInputs",
+    "Estimator",
+    "SEQUENCE_ESTIMATORS",
+    "sequence_estimator",
     "CRITIC_ESTIMATORS",
     "GlobalSum",
     "KL_ESTIMATORS",

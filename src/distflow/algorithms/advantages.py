@@ -1,8 +1,15 @@
-"""Advantage estimators. Inputs are per-sample scalar rewards laid out as [num_groups, group_size].
+"""Advantage estimators.
 
-Every estimator in `ADVANTAGE_ESTIMATORS` (see registry.py) has the same signature
+Every estimator in `ADVANTAGE_ESTIMATORS` (see registry.py) has one signature
 
-    fn(rewards [num_groups, G], cfg: AlgorithmConfig, global_sum: GlobalSum) -> advantages [num_groups, G]
+    fn(inputs: AdvantageInputs, cfg: AlgorithmConfig, global_sum: GlobalSum)
+        -> (advantages [N, R], returns [N, R] or None)
+
+per response token, for the N samples of a rank in group-major order (group_size consecutive
+samples per prompt). The sequence-level estimators (GRPO, RLOO, REINFORCE++ and its baseline
+variant) are pure functions of scalar rewards laid out as [num_groups, G]; `sequence_estimator`
+lifts one into the common signature (scalar = outcome reward + the sum of the token rewards,
+spread over the response's tokens).
 
 All samples of a group live on one rank, so group statistics are local. Batch-wide statistics
 (REINFORCE++ whitening) come only through `global_sum`, which must sum a short list of floats
@@ -12,6 +19,7 @@ a collective: every rank must call the estimator, even one holding zero groups.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -19,6 +27,19 @@ import torch
 from distflow.config import AlgorithmConfig
 
 GlobalSum = Callable[[list], Union[Sequence[float], torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What an estimator sees, for the N samples of a rank (group-major)."""
+
+    scores: torch.Tensor  # [N] outcome reward per sample, after shaping (distflow.scoring.shape_rewards)
+    token_rewards: torch.Tensor  # [N, R] per-token rewards (e.g. -beta * KL), 0 on padding
+    mask: torch.Tensor  # [N, R] 1 on valid response tokens
+    values: Optional[torch.Tensor] = None  # [N, R] the critic's V(state before token t), for GAE
+
+
+Estimator = Callable[[AdvantageInputs, AlgorithmConfig, GlobalSum], tuple[torch.Tensor, Optional[torch.Tensor]]]
 
 
 def local_sum(values: list) -> list:
@@ -115,20 +136,38 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
     return adv, (adv + values) * m
 
 
-def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, cfg: AlgorithmConfig,
-                   global_sum: GlobalSum, token_penalty: Optional[torch.Tensor] = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_estimator(fn: Callable[[torch.Tensor, AlgorithmConfig, GlobalSum], torch.Tensor]) -> Estimator:
+    """Lift a scalar estimator ([num_groups, G] -> [num_groups, G]) into the common signature:
+    each sample's scalar is its outcome reward plus the sum of its token rewards, and its
+    advantage is spread over its response tokens. There are no returns (no critic)."""
+
+    def estimate(inputs: AdvantageInputs, cfg: AlgorithmConfig, global_sum: GlobalSum):
+        m = inputs.mask.to(torch.float32)
+        scalar = inputs.scores.reshape(-1).to(torch.float32) + (inputs.token_rewards.to(torch.float32) * m).sum(-1)
+        adv = fn(scalar.view(-1, cfg.group_size), cfg, global_sum).reshape(-1)
+        return adv[:, None].to(m.device) * m, None
+
+    estimate.__name__ = estimate.__qualname__ = fn.__name__
+    estimate.__doc__ = fn.__doc__
+    return estimate
+
+
+def gae_advantages(inputs: AdvantageInputs, cfg: AlgorithmConfig,
+                   global_sum: GlobalSum) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's estimator: token-level (advantages, returns), [N, T], from one scalar reward per sample.
 
-    The reward lands on each response's last token; `token_penalty` (e.g. beta * KL per token, as
-    verl's kl_in_reward) is subtracted at every token. GAE runs per sample with cfg.gamma and
+    The outcome reward lands on each response's last token, on top of the token rewards (e.g.
+    -beta * KL per token, as verl's kl_in_reward). GAE runs per sample with cfg.gamma and
     cfg.lam; advantages are then whitened over the valid tokens of ALL ranks (one all-reduce),
     while returns — the critic's regression targets — stay unwhitened. An empty response has no
     token to carry its reward and contributes nothing.
     """
-    rewards = rewards.reshape(-1).to(values.dtype)
-    m = mask.to(values.dtype)
-    token_rewards = -token_penalty * m if token_penalty is not None else torch.zeros_like(values)
+    if inputs.values is None:
+        raise ValueError("gae needs the critic's values")
+    values = inputs.values
+    rewards = inputs.scores.reshape(-1).to(values.dtype)
+    m = inputs.mask.to(values.dtype)
+    token_rewards = inputs.token_rewards.to(values.dtype) * m
     lengths = m.sum(-1).long()
     rows = (lengths > 0).nonzero().flatten()
     token_rewards[rows, lengths[rows] - 1] += rewards[rows]

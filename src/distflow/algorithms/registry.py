@@ -10,33 +10,40 @@ from typing import Callable, Optional
 import torch
 
 from distflow.algorithms.advantages import (
+    Estimator,
     gae_advantages,
     grpo_advantages,
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
     rloo_advantages,
+    sequence_estimator,
 )
 from distflow.algorithms.kl import KL_ESTIMATORS, kl_penalty
 from distflow.algorithms.losses import LOSS_AGG_MODES, cispo_loss, gspo_loss, ppo_clip_loss, tis_weights
 from distflow.config import AlgorithmConfig, ConfigError
 
-# fn(rewards [num_groups, G], cfg, global_sum) -> advantages [num_groups, G] (one per sequence).
-ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
+# fn(rewards [num_groups, G], cfg, global_sum) -> advantages [num_groups, G]: one per sequence.
+SEQUENCE_ESTIMATORS: dict[str, Callable] = {
     "grpo": grpo_advantages,
     "rloo": rloo_advantages,
     "reinforce_pp": reinforce_pp_advantages,
     "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
 }
-# fn(rewards [N], values [N,T], mask [N,T], cfg, global_sum, token_penalty) -> (advantages, returns) [N,T]:
-# estimators that need a critic's token-level values.
-CRITIC_ESTIMATORS: dict[str, Callable] = {"gae": gae_advantages}
+# Estimators that need a critic's token-level values.
+CRITIC_ESTIMATORS = ("gae",)
+# fn(AdvantageInputs, cfg, global_sum) -> (advantages [N,R], returns [N,R] or None): the trainer's one signature.
+ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
+    **{name: sequence_estimator(fn) for name, fn in SEQUENCE_ESTIMATORS.items()},
+    "gae": gae_advantages,
+}
 # Estimators whose baseline is the sample's own group: useless (or undefined) with group_size 1.
 GROUP_RELATIVE = ("grpo", "rloo", "reinforce_pp_baseline")
 
 # fn(logp [B,T], old_logp [B,T], advantages [B] | [B,T], mask [B,T], cfg) -> (token_loss [B,T], info)
 POLICY_LOSSES: dict[str, Callable] = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss}
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "CRITIC_ESTIMATORS", "KL_ESTIMATORS", "POLICY_LOSSES", "compute_token_loss", "validate_algorithm"]
+__all__ = ["ADVANTAGE_ESTIMATORS", "CRITIC_ESTIMATORS", "KL_ESTIMATORS", "POLICY_LOSSES", "SEQUENCE_ESTIMATORS",
+           "compute_token_loss", "validate_algorithm"]
 
 
 def _choice(value: str, key: str, options) -> Optional[str]:
@@ -45,9 +52,8 @@ def _choice(value: str, key: str, options) -> Optional[str]:
 
 def validate_algorithm(cfg: AlgorithmConfig) -> None:
     """Raise ConfigError (one line) on the first unknown name or out-of-range algorithm knob."""
-    adv_names = (*ADVANTAGE_ESTIMATORS, *CRITIC_ESTIMATORS)
     checks = [
-        _choice(cfg.advantage, "advantage", adv_names),
+        _choice(cfg.advantage, "advantage", tuple(ADVANTAGE_ESTIMATORS)),
         _choice(cfg.policy_loss, "policy_loss", tuple(POLICY_LOSSES)),
         _choice(cfg.kl_estimator, "kl_estimator", tuple(KL_ESTIMATORS)),
         _choice(cfg.loss_agg_mode, "loss_agg_mode", LOSS_AGG_MODES),

@@ -48,6 +48,7 @@ class VLLMEngine:
             seed=seed,
             logprobs_mode="processed_logprobs",
             trust_remote_code=model.trust_remote_code,
+            use_tqdm_on_load=False,
         )
         if not on_cpu:
             kwargs.update(gpu_memory_utilization=rollout.gpu_memory_utilization, enable_sleep_mode=rollout.sleep_during_update)

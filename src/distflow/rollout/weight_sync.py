@@ -14,6 +14,23 @@ import torch
 from torch.distributed.tensor import DTensor
 
 
+@torch.no_grad()
+def max_logprob_diff(engine, policy, seqs: list[list[int]], pad_id: int) -> float:
+    """Max |engine - policy| logprob of every token after the first of `seqs`, at temperature 1:
+    after a resync the two must agree (a wrong or partial resync shows up here)."""
+    from distflow.batch import TokenBatch
+    from distflow.rollout.base import Sample
+
+    engine_lp = engine.prompt_logprobs(seqs)
+    as_samples = [Sample(seq[:1], seq[1:], [], False) for seq in seqs]
+    policy_lp = policy.logprobs(TokenBatch.from_samples(as_samples, pad_id, policy.device), 1.0)
+    diff = 0.0
+    for i, lp in enumerate(engine_lp):
+        ref = policy_lp[i, : len(lp)].float().cpu()
+        diff = max(diff, float((torch.tensor(lp) - ref).abs().max()))
+    return diff
+
+
 def full_parameters(
     model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int
 ) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,0 +1,68 @@
+"""How the ranks are laid out: the parallel degrees, decided once, and the device meshes.
+
+Every rank builds the same `ParallelLayout` from the world size and the config, before any
+model loads, so a layout that cannot work (a shard degree that does not divide the world)
+stops every rank with the same one-line error. The policy, the KL reference and the critic
+all take their FSDP2 mesh from here instead of building process groups of their own.
+
+  world = replicate x shard      FSDP2 shards parameters over `shard` consecutive ranks and
+                                 replicates across the `replicate` groups (HSDP); shard = world
+                                 is plain FSDP, shard = 1 is full replicas (DDP-like).
+  world = engines x engine_tp    consecutive groups of `engine_tp` ranks would share one
+                                 tensor-parallel rollout engine; today every rank owns a whole
+                                 engine (engine_tp = 1).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from distflow.config import ConfigError, ModelConfig
+from distflow.distributed import DistInfo
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    world_size: int
+    rank: int
+    device: torch.device
+    shard: int  # FSDP shard degree (model.shard_ranks, -1 resolved to the world size)
+    engine_tp: int = 1  # ranks per rollout engine
+
+    @classmethod
+    def from_config(cls, model: ModelConfig, dist: DistInfo) -> "ParallelLayout":
+        shard = dist.world_size if model.shard_ranks == -1 else model.shard_ranks
+        layout = cls(dist.world_size, dist.rank, dist.device, shard)
+        layout.validate()
+        return layout
+
+    @classmethod
+    def current(cls, model: ModelConfig, device: torch.device | str = "cpu") -> "ParallelLayout":
+        """The layout of the already-initialised default process group (tests, benchmarks)."""
+        import torch.distributed as dist
+
+        world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+        info = DistInfo(rank, world, rank, world, torch.device(device), "gloo")
+        return cls.from_config(model, info)
+
+    def validate(self) -> None:
+        if self.shard < 1 or self.world_size % self.shard:
+            raise ConfigError(f"model.shard_ranks={self.shard} does not divide the world size {self.world_size}")
+        if self.engine_tp < 1 or self.world_size % self.engine_tp:
+            raise ConfigError(f"the rollout tensor-parallel size {self.engine_tp} does not divide the world size "
+                              f"{self.world_size}")
+
+    @property
+    def replicate(self) -> int:
+        return self.world_size // self.shard
+
+    @functools.cached_property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """FSDP2's mesh, built once: 1-D over all ranks, or 2-D (replicate, shard) for HSDP."""
+        if self.shard == self.world_size:
+            return init_device_mesh(self.device.type, (self.world_size,))
+        return init_device_mesh(self.device.type, (self.replicate, self.shard), mesh_dim_names=("replicate", "shard"))

@@ -1,0 +1,162 @@
+"""From a step's typed records to its metric keys: what the run reports, decided in one place.
+
+The phases return records of per-rank sums (`RolloutStats`, `UpdateResult`); `step_report`
+reduces them over ranks in two all_reduces (sums; maxima with minima folded in) and turns
+them into the metric keys this run has (KL keys only with KL on, value keys only with a
+critic, ...). The trainer never names a metric key.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from distflow.config import DistflowConfig
+from distflow.metrics import reduce_step_metrics
+from distflow.rollout.base import Sample
+from distflow.scoring import REWARD_FAILURES
+
+
+@dataclass
+class UpdateSums:
+    """This rank's sums over its loss passes (policy and critic)."""
+
+    loss: float = 0.0  # the policy loss, already divided by the global denominator
+    tokens: float = 0.0  # tokens the policy loss trained on
+    clip_low: float = 0.0
+    clip_high: float = 0.0
+    dual_clip: float = 0.0
+    kl: float = 0.0
+    entropy: float = 0.0
+    tis_weight: float = 0.0
+    value_loss: float = 0.0
+    value_clipped: float = 0.0
+    value_sq_error: float = 0.0
+    value_sum: float = 0.0
+    value_tokens: float = 0.0
+
+    def __iadd__(self, other: "UpdateSums") -> "UpdateSums":
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        return self
+
+
+@dataclass
+class UpdateResult:
+    """What one update phase did on this rank."""
+
+    sums: UpdateSums = field(default_factory=UpdateSums)
+    passes: int = 1  # optimizer steps taken or attempted (ppo_epochs x mini_batches)
+    grad_norm: float = 0.0  # mean pre-clip norm over the policy's optimizer steps
+    critic_grad_norm: float = 0.0
+    skipped: bool = False  # no sample left anywhere: nothing was trained
+    actor_skipped: bool = False  # critic warm-up
+    nonfinite_skipped: int = 0  # optimizer steps dropped because a loss or gradient was not finite
+
+
+@dataclass
+class RolloutStats:
+    """Counts from generation, scoring and balancing on this rank."""
+
+    reward_failures: dict[str, float] = field(default_factory=lambda: dict.fromkeys(REWARD_FAILURES, 0.0))
+    rounds: int = 0
+    generated_groups: int = 0
+    balance: dict[str, float] = field(default_factory=dict)
+
+    def add_failures(self, counts: dict[str, float]) -> None:
+        for k in REWARD_FAILURES:
+            self.reward_failures[k] += counts.get(k, 0.0)
+
+
+def step_report(cfg: DistflowConfig, step: int, samples: list[Sample], rewards: torch.Tensor, groups: int,
+                stats: RolloutStats, upd: UpdateResult, timing: dict[str, float], probe: float,
+                lr: float) -> dict[str, float]:
+    """The step's metrics, identical on every rank (a collective: every rank calls it)."""
+    a = cfg.algorithm
+    s = upd.sums
+    resp_lens = [len(x.response_ids) for x in samples] or [0]
+    sums = {
+        "reward_sum": float(rewards.sum()),
+        "samples": float(len(samples)),
+        "resp_tokens": float(sum(resp_lens)),
+        "truncated": float(sum(x.truncated for x in samples)),
+        "tokens": float(sum(len(x.prompt_ids) + len(x.response_ids) for x in samples)),
+        "kept_groups": float(groups),
+        "generated_groups": float(stats.generated_groups),
+        **{f"reward/{k}": v for k, v in stats.reward_failures.items()},
+        **{f"upd/{f.name}": getattr(s, f.name) for f in fields(s)},
+    }
+    maxima = {f"timing/{k}_s": v for k, v in timing.items()}
+    maxima.update({"response_length/max": float(max(resp_lens)), "sync/max_abs_logprob_diff": probe,
+                   "dynamic_sampling/rounds": float(stats.rounds)})
+    g = reduce_step_metrics(sums, maxima, {"timing/update_min_s": timing.get("update", 0.0)})
+    n, trained = max(g["samples"], 1.0), max(g["upd/tokens"], 1.0)
+    out = {
+        "step": step,
+        "reward/mean": g["reward_sum"] / n,
+        "response_length/mean": g["resp_tokens"] / n,
+        "response_length/max": g["response_length/max"],
+        "response/truncated_frac": g["truncated"] / n,
+        **{k: v for k, v in g.items() if k.startswith("timing/")},
+        "throughput/tokens_per_s": g["tokens"] / max(g["timing/step_s"], 1e-9),
+        "sync/max_abs_logprob_diff": g["sync/max_abs_logprob_diff"],
+        "loss/policy": g["upd/loss"] / upd.passes,
+        "clip/fraction_low": g["upd/clip_low"] / trained,
+        "clip/fraction_high": g["upd/clip_high"] / trained,
+        "grad_norm": upd.grad_norm,
+        "lr": lr,
+        **{f"reward/{k}": g[f"reward/{k}"] for k in REWARD_FAILURES},
+        "update/nonfinite_skipped": float(upd.nonfinite_skipped),
+    }
+    if a.dual_clip_c is not None:
+        out["clip/fraction_dual"] = g["upd/dual_clip"] / trained
+    if a.kl_coef > 0:
+        out["loss/kl"] = g["upd/kl"] / trained
+    if a.entropy_coef != 0:
+        out["loss/entropy"] = g["upd/entropy"] / trained
+    if a.tis_cap is not None:
+        out["tis/mean_weight"] = g["upd/tis_weight"] / trained
+    if cfg.critic.enabled:
+        values = max(g["upd/value_tokens"], 1.0)
+        out["value/loss"] = g["upd/value_loss"] / upd.passes
+        out["value/clip_fraction"] = g["upd/value_clipped"] / values
+        out["value/mean"] = g["upd/value_sum"] / values
+        out["value/rmse"] = (g["upd/value_sq_error"] / values) ** 0.5
+        out["critic/grad_norm"] = upd.critic_grad_norm
+        out["update/actor_skipped"] = float(upd.actor_skipped)
+    if cfg.trainer.balance_lengths:
+        out.update({f"balance/{k}": v for k, v in stats.balance.items()})
+    if a.dynamic_sampling:
+        out["dynamic_sampling/kept_groups"] = g["kept_groups"]
+        out["dynamic_sampling/generated_groups"] = g["generated_groups"]
+        out["dynamic_sampling/rounds"] = g["dynamic_sampling/rounds"]
+        out["update/skipped"] = float(upd.skipped)
+    return out
+
+
+def run_summary(steps: int, wall_s: float, world_size: int, evaluations: dict[str, dict],
+                history: list[dict]) -> dict:
+    """summary.json's content: held-out pass@1 before/after (when evaluated) and the last reward."""
+    summary: dict = {"steps": steps, "wall_s": wall_s, "world_size": world_size}
+    for when in ("before", "after"):
+        if when in evaluations:
+            summary[f"heldout_pass1_{when}"] = evaluations[when]["val/pass@1"]
+            summary["heldout_items"] = int(evaluations[when]["val/items"])
+    if "before" in evaluations and "after" in evaluations:
+        summary["heldout_pass1_delta"] = summary["heldout_pass1_after"] - summary["heldout_pass1_before"]
+    if history:
+        summary["final_reward_mean"] = history[-1]["reward/mean"]
+    return summary
+
+
+@contextmanager
+def timed(out: dict[str, float], key: str):
+    """Adds the wall time of the block to out[key] (so repeated phases accumulate)."""
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        out[key] = out.get(key, 0.0) + time.perf_counter() - t
