@@ -6,10 +6,14 @@ Every estimator in `ADVANTAGE_ESTIMATORS` (see registry.py) has one signature
         -> (advantages [N, R], returns [N, R] or None)
 
 per response token, for the N samples of a rank in group-major order (group_size consecutive
-samples per prompt). The sequence-level estimators (GRPO, RLOO, REINFORCE++ and its baseline
-variant) are pure functions of scalar rewards laid out as [num_groups, G]; `sequence_estimator`
-lifts one into the common signature (scalar = outcome reward + the sum of the token rewards,
-spread over the response's tokens).
+samples per prompt). The sequence-level estimators (GRPO, RLOO) are pure functions of scalar
+rewards laid out as [num_groups, G]; `sequence_estimator` lifts one into the common signature
+(scalar = outcome reward + the sum of the token rewards, spread over the response's tokens).
+REINFORCE++ and REINFORCE++-baseline work per token (whitened over the valid tokens of every
+rank), GAE per token with the critic's values.
+
+Equal groups: a group whose rewards are all equal carries no signal, and every group-relative
+estimator gives it exactly 0 — not the ulp noise of a float32 mean divided by a std of 0 + eps.
 
 All samples of a group live on one rank, so group statistics are local. Batch-wide statistics
 (REINFORCE++ whitening) come only through `global_sum`, which must sum a short list of floats
@@ -53,19 +57,28 @@ def _check_2d(rewards: torch.Tensor) -> torch.Tensor:
     return rewards.to(torch.float32)
 
 
+def equal_groups(rewards: torch.Tensor) -> torch.Tensor:
+    """bool [num_groups]: True where every reward of the group is exactly the same."""
+    return rewards.amax(dim=1) == rewards.amin(dim=1)
+
+
+def _zero_equal_groups(advantages: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
+    return torch.where(equal_groups(rewards)[:, None], torch.zeros_like(advantages), advantages)
+
+
 def group_normalized_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """GRPO: (r - mean(group)) / (std(group) + eps); without `scale`, only the mean is removed.
 
     The std is the unbiased sample std (torch's default, as in TRL and verl). All samples of a
     group live on one rank, so this needs no communication. A group whose rewards are all equal
-    gets zero advantages (no signal), never NaN.
+    gets exactly zero advantages (no signal), never NaN or rounding noise.
     """
     rewards = _check_2d(rewards)
-    centered = rewards - rewards.mean(dim=1, keepdim=True)
-    if not scale or rewards.numel() == 0:
-        return centered
-    std = rewards.std(dim=1, keepdim=True) if rewards.shape[1] > 1 else torch.zeros_like(rewards[:, :1])
-    return centered / (std + eps)
+    out = rewards - rewards.mean(dim=1, keepdim=True)
+    if scale and rewards.numel():
+        std = rewards.std(dim=1, keepdim=True) if rewards.shape[1] > 1 else torch.zeros_like(rewards[:, :1])
+        out = out / (std + eps)
+    return _zero_equal_groups(out, rewards)
 
 
 def whiten_global(x: torch.Tensor, global_sum: GlobalSum, eps: float = 1e-6,
@@ -97,20 +110,60 @@ def rloo_advantages(rewards: torch.Tensor, cfg: AlgorithmConfig, global_sum: Glo
     g = rewards.shape[1]
     if g < 2:
         raise ValueError("rloo needs group_size >= 2 (a leave-one-out baseline of an empty set)")
-    return rewards - (rewards.sum(dim=1, keepdim=True) - rewards) / (g - 1)
+    return _zero_equal_groups(rewards - (rewards.sum(dim=1, keepdim=True) - rewards) / (g - 1), rewards)
 
 
-def reinforce_pp_advantages(rewards: torch.Tensor, cfg: AlgorithmConfig, global_sum: GlobalSum) -> torch.Tensor:
-    """REINFORCE++ (Hu 2025): outcome returns whitened with the global batch mean/std; any group size."""
-    rewards = _check_2d(rewards)
-    return whiten_global(rewards, global_sum, cfg.eps)
+def _outcome_token_rewards(inputs: AdvantageInputs, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[N, R] token rewards with each sample's outcome reward added on its last valid token (an
+    empty response has no token to carry it)."""
+    m = inputs.mask.to(dtype)
+    token_rewards = inputs.token_rewards.to(dtype) * m
+    lengths = m.sum(-1).long()
+    rows = (lengths > 0).nonzero().flatten()
+    token_rewards[rows, lengths[rows] - 1] += inputs.scores.reshape(-1).to(dtype)[rows]
+    return token_rewards
 
 
-def reinforce_pp_baseline_advantages(rewards: torch.Tensor, cfg: AlgorithmConfig,
-                                     global_sum: GlobalSum) -> torch.Tensor:
-    """REINFORCE++-baseline (Hu 2025): subtract the group mean, then whiten globally."""
-    rewards = _check_2d(rewards)
-    return whiten_global(rewards - rewards.mean(dim=1, keepdim=True), global_sum, cfg.eps)
+def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = r_t + gamma * G_{t+1} over each row's valid tokens, [N, R] (0 on padding)."""
+    m = mask.to(token_rewards.dtype)
+    out = torch.zeros_like(token_rewards)
+    running = torch.zeros_like(token_rewards[:, 0])
+    for t in reversed(range(token_rewards.shape[1])):
+        running = (token_rewards[:, t] + gamma * running) * m[:, t]
+        out[:, t] = running
+    return out
+
+
+def reinforce_pp_advantages(inputs: AdvantageInputs, cfg: AlgorithmConfig,
+                            global_sum: GlobalSum) -> tuple[torch.Tensor, None]:
+    """REINFORCE++ (Hu 2025; verl's reinforce_plus_plus), any group size.
+
+    Per token: the outcome reward on the last token plus the token rewards (-beta * KL with
+    algorithm.kl_in_reward), returns discounted with algorithm.gamma (G_t = r_t + gamma G_{t+1}),
+    then whitened over the valid tokens of ALL ranks (mean and Bessel-corrected std over tokens):
+    long responses weigh more, empty ones are left out.
+    """
+    m = inputs.mask.to(torch.float32)
+    returns = discounted_returns(_outcome_token_rewards(inputs), m, cfg.gamma)
+    return whiten_global(returns, global_sum, cfg.eps, mask=m), None
+
+
+def reinforce_pp_baseline_advantages(inputs: AdvantageInputs, cfg: AlgorithmConfig,
+                                     global_sum: GlobalSum) -> tuple[torch.Tensor, None]:
+    """REINFORCE++-baseline (Hu 2025; verl's reinforce_plus_plus_baseline).
+
+    Each sample's scalar (outcome reward + the sum of its token rewards) minus its group's mean,
+    spread over its response tokens, then whitened over the valid tokens of ALL ranks. A group
+    whose scalars are all equal gets exactly 0 (verl would give it -mean/std of the batch).
+    """
+    m = inputs.mask.to(torch.float32)
+    scalar = inputs.scores.reshape(-1).to(torch.float32) + (inputs.token_rewards.to(torch.float32) * m).sum(-1)
+    groups = scalar.view(-1, cfg.group_size)
+    centered = _zero_equal_groups(groups - groups.mean(dim=1, keepdim=True), groups).reshape(-1)
+    adv = whiten_global(centered[:, None] * m, global_sum, cfg.eps, mask=m)
+    equal = equal_groups(groups).repeat_interleave(cfg.group_size)
+    return torch.where(equal[:, None], torch.zeros_like(adv), adv), None
 
 
 @torch.no_grad()
@@ -165,13 +218,8 @@ def gae_advantages(inputs: AdvantageInputs, cfg: AlgorithmConfig,
     if inputs.values is None:
         raise ValueError("gae needs the critic's values")
     values = inputs.values
-    rewards = inputs.scores.reshape(-1).to(values.dtype)
     m = inputs.mask.to(values.dtype)
-    token_rewards = inputs.token_rewards.to(values.dtype) * m
-    lengths = m.sum(-1).long()
-    rows = (lengths > 0).nonzero().flatten()
-    token_rewards[rows, lengths[rows] - 1] += rewards[rows]
-    adv, returns = gae(token_rewards, values, m, cfg.gamma, cfg.lam)
+    adv, returns = gae(_outcome_token_rewards(inputs, values.dtype), values, m, cfg.gamma, cfg.lam)
     return whiten_global(adv, global_sum, cfg.eps, mask=m), returns
 
 
@@ -181,8 +229,7 @@ def dynamic_sampling_keep(rewards: torch.Tensor) -> torch.Tensor:
     Groups with all-equal rewards have zero group-relative advantage and only dilute the batch.
     Exact comparison: rewards computed the same way compare equal.
     """
-    rewards = _check_2d(rewards)
-    return rewards.amax(dim=1) != rewards.amin(dim=1)
+    return ~equal_groups(_check_2d(rewards))
 
 
 def overlong_penalty(resp_lens: torch.Tensor, max_new_tokens: int, buffer_len: int, penalty: float) -> torch.Tensor:

@@ -23,17 +23,14 @@ from distflow.algorithms.losses import LOSS_AGG_MODES, cispo_loss, gspo_loss, pp
 from distflow.config import AlgorithmConfig, ConfigError
 
 # fn(rewards [num_groups, G], cfg, global_sum) -> advantages [num_groups, G]: one per sequence.
-SEQUENCE_ESTIMATORS: dict[str, Callable] = {
-    "grpo": grpo_advantages,
-    "rloo": rloo_advantages,
-    "reinforce_pp": reinforce_pp_advantages,
-    "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
-}
+SEQUENCE_ESTIMATORS: dict[str, Callable] = {"grpo": grpo_advantages, "rloo": rloo_advantages}
 # Estimators that need a critic's token-level values.
 CRITIC_ESTIMATORS = ("gae",)
 # fn(AdvantageInputs, cfg, global_sum) -> (advantages [N,R], returns [N,R] or None): the trainer's one signature.
 ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
     **{name: sequence_estimator(fn) for name, fn in SEQUENCE_ESTIMATORS.items()},
+    "reinforce_pp": reinforce_pp_advantages,
+    "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
     "gae": gae_advantages,
 }
 # Estimators whose baseline is the sample's own group: useless (or undefined) with group_size 1.
