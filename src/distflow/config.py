@@ -53,18 +53,30 @@ class AlgorithmConfig:
     # Advantage estimator: grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae
     advantage: str = "grpo"
     scale_rewards: bool = True  # divide by the group std (GRPO); false = Dr. GRPO style
-    # Policy loss: ppo_clip | gspo | cispo
+    # Policy loss: ppo_clip | gspo | cispo. GSPO clamps each token's log-ratio to +-20 before the
+    # sequence mean and the sequence log-ratio at 10 (as verl); CISPO caps its IS weight at
+    # 1 + clip_eps_high with no lower bound, as the paper does (clip_eps_low is ignored).
     policy_loss: str = "ppo_clip"
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
-    dual_clip_c: Optional[float] = None  # dual-clip lower bound for negative advantages (e.g. 3.0)
+    # Dual-clip bound c for negative advantages (Ye et al. 2020). Off by default, where verl's
+    # default is c = 3: set 3.0 for verl's behaviour.
+    dual_clip_c: Optional[float] = None
+    # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm. The seq-mean
+    # modes divide by the number of sequences including fully masked ones (e.g. dropped by the
+    # overlong filter), as verl's original agg_loss (newer verl leaves them out); seq-mean-token-sum-norm divides each sequence's token
+    # sum by rollout.max_new_tokens (a constant, Dr. GRPO's), where verl divides by the padded
+    # response width unless given a loss_scale_factor.
     loss_agg_mode: str = "token-mean"
     ppo_epochs: int = 1
-    eps: float = 1e-6  # added to the group std
+    # Added to the std when whitening: (x - mean) / (std + eps). verl's masked_whiten uses
+    # (x - mean) * rsqrt(var + 1e-8); the two differ only when the std is near 0.
+    eps: float = 1e-6
     # KL to a frozen reference policy; beta = 0 builds no reference model at all.
     kl_coef: float = 0.0
-    kl_estimator: str = "k3"  # k1 | k2 | k3
-    kl_in_reward: bool = False  # subtract beta*KL from rewards instead of adding it to the loss
+    kl_estimator: str = "k3"  # k1 | k2 | k3 (Schulman 2020; verl's kl, mse, low_var_kl)
+    # Subtract beta * KL from the rewards, per token, instead of adding it to the loss.
+    kl_in_reward: bool = False
     entropy_coef: float = 0.0
     # Truncated importance sampling against the engine's own sampling logprobs (None = off).
     tis_cap: Optional[float] = None
@@ -75,7 +87,7 @@ class AlgorithmConfig:
     overlong_filter: bool = False
     overlong_buffer_len: int = 0
     overlong_penalty: float = 1.0
-    # PPO / GAE
+    # Discount of the per-token returns: GAE (PPO) and REINFORCE++; 1.0 = undiscounted. lam: GAE's lambda.
     gamma: float = 1.0
     lam: float = 1.0
 
