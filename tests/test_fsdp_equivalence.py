@@ -26,7 +26,7 @@ def fixed_batch(vocab: int = 200, n: int = 8):
     g = torch.Generator().manual_seed(7)
     samples, olds = [], []
     for i in range(n):
-        p_len, r_len = 3 + (i * 5) % 7, (i * 3) % 6 + (0 if i == 5 else 1)  # one empty response
+        p_len, r_len = 3 + (i * 5) % 7, (i * 3) % 6 + (0 if i == 4 else 1)  # i = 4: an empty response
         ids = torch.randint(3, vocab, (p_len + r_len,), generator=g).tolist()
         samples.append(Sample(ids[:p_len], ids[p_len:], [0.0] * r_len, False))
         olds.append(torch.randn(r_len, generator=g) * 0.3)  # perturbation of the current logprobs
@@ -43,6 +43,7 @@ def _worker(rank, world, model_dir, out_path, shard_ranks=-1):
     cfg.optim.micro_batch_tokens = 40 if world == 2 else 0
     policy = Policy(model_dir, cfg.model, cfg.optim, ParallelLayout.current(cfg.model))
     samples, adv, olds = fixed_batch()
+    assert sum(len(s.response_ids) == 0 for s in samples) == 1  # it goes through backward and micro-batching
     per = len(samples) // world
     lo, hi = rank * per, (rank + 1) * per
     results = {}

@@ -6,6 +6,8 @@ and split over 2 ranks with real gloo process groups and a real FSDP2 policy. Ad
 rel. 1e-5, with KL, entropy, truncated IS and dual-clip switched on.
 """
 
+import math
+
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
@@ -30,8 +32,9 @@ def _algorithm(path) -> AlgorithmConfig:
     node = OmegaConf.load(path)
     node = node.algorithm if "algorithm" in node else node  # a `_global_` package (ppo also sets critic)
     a = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(AlgorithmConfig), node))
-    a.group_size, a.kl_coef, a.entropy_coef, a.tis_cap = GROUP, 0.05, 0.01, 2.0
-    a.dual_clip_c = 3.0 if a.policy_loss == "ppo_clip" else None
+    # the cap and the dual clip are set where this batch's ratios reach them (asserted below)
+    a.group_size, a.kl_coef, a.entropy_coef, a.tis_cap = GROUP, 0.05, 0.01, 1.02
+    a.dual_clip_c = 1.2 if a.policy_loss == "ppo_clip" else None
     return a
 
 
@@ -51,6 +54,11 @@ def _advantages(a: AlgorithmConfig, rewards, local, noise):
         values = torch.stack([torch.nn.functional.pad(n, (0, width - len(n))) for n in noise]) * mask
     inputs = AdvantageInputs(rewards, torch.zeros_like(mask), mask, values)
     return ADVANTAGE_ESTIMATORS[a.advantage](inputs, a, global_sum)[0]
+
+
+def _capped(batch, cap) -> float:
+    """Tokens whose truncated-IS weight pi_old / pi_engine is cut at the cap (counted independently)."""
+    return float(((batch.old_logprobs - batch.sampling_logprobs > math.log(cap)) & batch.loss_mask.bool()).sum())
 
 
 def _worker(rank, world, model_dir, out_path):
@@ -79,7 +87,8 @@ def _worker(rank, world, model_dir, out_path):
             sums = backward_policy_loss(policy, batch, list(range(len(batch))), cfg, pad_id=0)
             grads = full_grads(policy.model)
             policy.optimizer.zero_grad(set_to_none=True)
-            results[(path.stem, mode)] = (sum(gathered, []), float(all_reduce(sums.loss)), grads)
+            fired = [float(all_reduce(sums.dual_clip)), float(all_reduce(_capped(batch, cfg.algorithm.tis_cap)))]
+            results[(path.stem, mode)] = (sum(gathered, []), float(all_reduce(sums.loss)), grads, fired)
     if rank == 0:
         torch.save(results, out_path)
 
@@ -91,7 +100,11 @@ def test_every_algorithm_and_mode_is_sharding_invariant(tiny_model_dir, tmp_path
     two = torch.load(tmp_path / "w2.pt", weights_only=True)
     assert len(one) == len(ALGORITHMS) * len(LOSS_AGG_MODES) and one.keys() == two.keys()
     for key in one:
-        (a1, l1, g1), (a2, l2, g2) = one[key], two[key]
+        (a1, l1, g1, f1), (a2, l2, g2, f2) = one[key], two[key]
+        dual, capped = f1
+        assert capped > 0 and f1 == f2, (key, f1, f2)  # truncated IS cut some tokens, on both layouts
+        assert (dual > 0) == (key[0] not in ("gspo", "cispo")), (key, f1)  # dual clip fired (ppo_clip only)
+        assert len(a1) == len(a2) == 8, key
         for x1, x2 in zip(a1, a2):
             torch.testing.assert_close(torch.tensor(x1), torch.tensor(x2), rtol=1e-5, atol=1e-6, msg=str(key))
         assert l1 != 0.0 and abs(l1 - l2) <= 1e-5 * abs(l1), (key, l1, l2)
