@@ -219,7 +219,8 @@ def test_multi_node_template_trains_on_two_fake_nodes(tmp_path):
     logs = {p.name: p.read_text() for p in (out / "logs").glob("*.log")} if (out / "logs").is_dir() else {}
     detail = proc.stdout[-2000:] + proc.stderr[-2000:] + "".join(f"\n--- {k}\n{v[-4000:]}" for k, v in logs.items())
     assert proc.returncode == 0, detail
-    assert sorted(logs) == [f"{job_id}-fakenode0.log", f"{job_id}-fakenode1.log"], detail
+    # one log per node from SLURM, and each rank's own log beside them
+    assert sorted(logs) == [f"{job_id}-fakenode0.log", f"{job_id}-fakenode1.log", "rank_0.log", "rank_1.log"], detail
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3], detail
     assert all(r["timing/step_s"] > 0 for r in rows)
