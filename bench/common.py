@@ -152,11 +152,13 @@ def resolve_model(name: str) -> str:
 
 
 def recipe_shard_ranks(model: str) -> int:
-    """`model.shard_ranks` of recipes/model/<model>.yaml (the built-in models replicate: 1), so a
-    worker that builds the policy itself shards it as the trainer would."""
-    from omegaconf import OmegaConf
+    """The `model.shard_ranks` the trainer resolves for a built-in model name (they replicate: 1),
+    so a worker that builds the policy itself shards it as the trainer would."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from distflow.config import ModelConfig
+    from distflow.devices import shard_ranks
 
-    return int(OmegaConf.load(ROOT / "recipes" / "model" / f"{model}.yaml").get("shard_ranks", -1))
+    return shard_ranks(ModelConfig(path=model))
 
 
 def count_params(model_path: str) -> int:

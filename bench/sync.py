@@ -27,6 +27,7 @@ def worker(a) -> None:
     import torch.distributed as dist
 
     from distflow.config import DistflowConfig
+    from distflow.devices import resolve_auto
     from distflow.distributed import all_reduce, barrier, init_distributed, shutdown
     from distflow.layout import ParallelLayout
     from distflow.models.tiny import resolve_model_path
@@ -34,13 +35,11 @@ def worker(a) -> None:
     from distflow.rollout import build_engine
     from distflow.rollout.weight_sync import full_parameters
 
-    import common as C
-
     cfg = DistflowConfig()
     cfg.model.path, cfg.rollout.engine = a.model, a.engine
-    cfg.model.shard_ranks = C.recipe_shard_ranks(a.model)
     cfg.rollout.max_new_tokens, cfg.rollout.max_prompt_tokens = 32, 128
     info = init_distributed("gloo", "cpu")
+    cfg = resolve_auto(cfg, info.device)  # the trainer's dtype and shard degree for this model
     path = resolve_model_path(a.model)
     engine = build_engine(path, cfg.model, cfg.rollout, info.device, 0)  # trainer's order: engine, then policy
     policy = Policy(path, cfg.model, cfg.optim, ParallelLayout.from_config(cfg.model, info))

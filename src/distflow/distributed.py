@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from distflow.devices import CudaState, choose_backend, choose_device
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -36,14 +38,13 @@ def _env_int(name: str, default: int) -> int:
 def init_distributed(backend: str = "auto", device: str = "auto", timeout_s: float = 600.0) -> DistInfo:
     """Create the default process group from torchrun's env (or a 1-process group without it).
 
-    backend/device "auto": nccl + cuda:LOCAL_RANK when CUDA is available, else gloo + cpu.
+    backend/device "auto": nccl + cuda:LOCAL_RANK when torch can use CUDA, else gloo + cpu; but
+    a rank that sees GPUs it cannot use stops with a ConfigError instead (distflow.devices).
     """
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if backend == "auto":
-        backend = "nccl" if device == "cuda" else "gloo"
+    device = choose_device(device, CudaState.probe(), os.environ, local_rank, local_world)
+    backend = choose_backend(backend, device)
     dev = torch.device(f"cuda:{local_rank}") if device == "cuda" else torch.device("cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)

@@ -22,6 +22,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from distflow.config import ConfigError, ModelConfig
+from distflow.devices import shard_ranks
 from distflow.distributed import DistInfo
 
 
@@ -35,7 +36,8 @@ class ParallelLayout:
 
     @classmethod
     def from_config(cls, model: ModelConfig, dist: DistInfo) -> "ParallelLayout":
-        shard = dist.world_size if model.shard_ranks == -1 else model.shard_ranks
+        ranks = shard_ranks(model)  # null: -1 for a model you name, 1 for the built-in small ones
+        shard = dist.world_size if ranks == -1 else ranks
         layout = cls(dist.world_size, dist.rank, dist.device, shard)
         layout.validate()
         return layout

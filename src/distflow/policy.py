@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from distflow.algorithms.kl import entropy_from_logits
 from distflow.batch import TokenBatch
 from distflow.config import ModelConfig, OptimConfig
+from distflow.devices import torch_dtype
 from distflow.distributed import all_reduce
 from distflow.layout import ParallelLayout
 
@@ -53,7 +54,7 @@ class ShardedModel:
         self.device = device = layout.device
         model.config.use_cache = False
         mesh = layout.fsdp_mesh
-        compute = getattr(torch, model_cfg.dtype)
+        compute = torch_dtype(model_cfg.dtype, layout.device)
         mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute != torch.float32 else MixedPrecisionPolicy()
         for block in _decoder_blocks(model):
             fully_shard(block, mesh=mesh, mp_policy=mp)

@@ -30,6 +30,7 @@ from distflow.config import DistflowConfig
 from distflow.critic import Critic
 from distflow.data.prompts import load_prompts
 from distflow.data.sampler import ShardedSampler
+from distflow.devices import resolve_auto
 from distflow.distributed import all_reduce, broadcast_object, init_distributed, shutdown
 from distflow.evaluation import evaluate
 from distflow.export import export_live
@@ -69,6 +70,7 @@ class Trainer:
         t, a = cfg.trainer, cfg.algorithm
         # Order matters: process group, then engine (reuses it), then the FSDP models.
         self.dist = init_distributed(t.backend, t.device, t.collective_timeout_s)
+        self.cfg = cfg = resolve_auto(cfg, self.dist.device)  # dtype, eager mode, shard degree for the device
         setup_output(t.output_dir, self.dist.rank, t.log_level)
         self.layout = ParallelLayout.from_config(cfg.model, self.dist)
         save_config(cfg, t.output_dir, write=self.dist.is_main)
@@ -76,8 +78,7 @@ class Trainer:
         np.random.seed(t.seed)
         torch.manual_seed(t.seed)
         self.model_path = resolve_on_local_rank0_first(cfg.model.path, self.dist.local_rank)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        tok = self.tokenizer
+        self.tokenizer = tok = AutoTokenizer.from_pretrained(self.model_path)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.rewards = RewardPool.from_task(cfg.task)  # workers start while the models load
         self.scoring_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distflow-scoring")
@@ -301,5 +302,3 @@ class Trainer:
         self.rewards.close()
         self.engine.shutdown()
         shutdown()
-
-

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distflow.config import ModelConfig, RolloutConfig
+from distflow.devices import torch_dtype
 from distflow.rollout.base import Sample
 
 
@@ -19,7 +20,7 @@ class HFEngine:
     def __init__(self, model_path: str, model: ModelConfig, rollout: RolloutConfig, device: torch.device):
         self.cfg = rollout
         self.device = device
-        dtype = getattr(torch, model.dtype)
+        dtype = torch_dtype(model.dtype, device)
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=dtype, trust_remote_code=model.trust_remote_code
         ).to(device).eval()

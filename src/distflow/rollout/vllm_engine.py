@@ -13,6 +13,7 @@ from typing import Iterable
 import torch
 
 from distflow.config import ModelConfig, RolloutConfig
+from distflow.devices import enforce_eager, torch_dtype
 from distflow.rollout.base import Sample
 
 
@@ -40,8 +41,8 @@ class VLLMEngine:
         self.on_cpu = on_cpu
         kwargs = dict(
             model=model_path,
-            dtype=model.dtype,
-            enforce_eager=rollout.enforce_eager,
+            dtype=str(torch_dtype(model.dtype, device)).removeprefix("torch."),
+            enforce_eager=enforce_eager(rollout.enforce_eager, device),
             max_model_len=rollout.max_prompt_tokens + rollout.max_new_tokens,
             tensor_parallel_size=1,
             distributed_executor_backend="external_launcher",
