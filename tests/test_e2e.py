@@ -96,3 +96,31 @@ def test_empty_dataset_fails_on_every_rank(tmp_path):
 def test_shard_ranks_that_do_not_divide_the_world_fail_on_every_rank(tmp_path):
     proc = _fail_run(["model.shard_ranks=3"], tmp_path)
     _assert_clean_failure(proc, "distflow: error: model.shard_ranks=3 does not divide the world size 2")
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
+def test_full_length_prompt_and_truncated_response_pass_the_probe(tmp_path, tiny_model_dir):
+    """A prompt of exactly rollout.max_prompt_tokens (kept), a response cut at max_new_tokens, and
+    the probe on every step: the probe resubmits prompt + response to vLLM as one prompt."""
+    from transformers import AutoTokenizer
+
+    from distflow.config import TaskConfig
+    from distflow.data.prompts import load_prompts
+
+    data = tmp_path / "one.jsonl"
+    data.write_text('{"prompt": "Add 12 and 30, then say the sum.", "answer": "42"}\n' * 4)
+    items = load_prompts(TaskConfig(path=str(data)), AutoTokenizer.from_pretrained(tiny_model_dir), 10**6)
+    limit = len(items[0].prompt_ids)
+    out = tmp_path / "run"
+    proc = torchrun(["experiment=smoke", "rollout=vllm", f"model.path={tiny_model_dir}", "task=jsonl",
+                     f"task.path={data}", "task.reward=rewards_for_tests:digit_fraction",
+                     f"rollout.max_prompt_tokens={limit}", "rollout.max_new_tokens=8", "trainer.steps=2",
+                     "trainer.sync_probe_every=1", "trainer.sync_probe_seqs=8", "trainer.plot_at_end=false",
+                     f"trainer.output_dir={out}"], nproc=1)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["response/truncated_frac"] > 0 for r in rows), rows  # some responses hit the limit
+    assert all(r["sync/max_abs_logprob_diff"] <= 1e-5 for r in rows), rows

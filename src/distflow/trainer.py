@@ -144,8 +144,7 @@ class Trainer:
         self.nonfinite_streak = self.nonfinite_streak + 1 if result.nonfinite_skipped else 0
         if result.nonfinite_skipped:
             log.warning(f"step {self.step}: a loss or gradient norm was not finite; the update was skipped")
-        self.engine.wake_up()
-        with timed(timing, "sync"):
+        with timed(timing, "sync"):  # wakes the engine: weights, reload, KV cache
             self.sync_weights()
         with timed(timing, "probe"):
             probe = self.probe_sync(rollouts.samples)

@@ -32,11 +32,11 @@ class RolloutEngine(Protocol):
         """logp(seq[t] | seq[:t]) for t >= 1 at temperature 1: used to verify weight sync."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace all weights in place from a stream of (HF parameter name, full tensor)."""
+        """Replace all weights in place from a stream of (HF parameter name, full tensor); wakes a
+        sleeping engine (the resync is the only way out of sleep)."""
 
-    def sleep(self) -> None: ...
-
-    def wake_up(self) -> None: ...
+    def sleep(self) -> None:
+        """Free what the engine can for the update phase; nothing generates until load_weights."""
 
     def shutdown(self) -> None: ...
 

