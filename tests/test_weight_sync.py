@@ -81,3 +81,54 @@ def test_resync_makes_engine_match_policy(tiny_model_dir, tmp_path, engine_name)
         # a one-token response would only check the first step: the comparison needs several
         assert len(r["response"]) > 1, r
         assert r["response"] == r["policy_greedy"], r
+
+
+def _gather_bytes_worker(rank, world, model_dir, out):
+    """Bytes each rank puts into the resync's all-gathers, per dtype, on a plain FSDP mesh."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class GatherBytes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bytes, self.dtypes = 0, set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "all_gather" in str(func):
+                self.bytes += args[0].numel() * args[0].element_size()
+                self.dtypes.add(str(args[0].dtype))
+            return func(*args, **(kwargs or {}))
+
+    cfg = DistflowConfig()
+    cfg.model.shard_ranks = -1  # plain FSDP: every parameter is a shard to gather
+    policy = Policy(model_dir, cfg.model, cfg.optim, ParallelLayout.current(cfg.model))
+    shard_numel = sum(p.to_local().numel() for p in policy.model.parameters())
+    result = {"shard_numel": shard_numel}
+    for dtype in (torch.float32, torch.bfloat16):
+        with GatherBytes() as mode:
+            full = dict(full_parameters(policy.model, dtype, bucket_bytes=1 << 16))
+        result[str(dtype)] = {"bytes": mode.bytes, "dtypes": sorted(mode.dtypes),
+                              "out": sorted({str(t.dtype) for t in full.values()})}
+    torch.save(result, f"{out}.{rank}")
+
+
+def test_resync_casts_shards_before_gathering(tiny_model_dir, tmp_path):
+    """bf16 engines get bf16 over the link: half the bytes of the fp32 master weights."""
+    out = str(tmp_path / "bytes")
+    run_distributed(_gather_bytes_worker, 2, tiny_model_dir, out)
+    for rank in range(2):
+        r = torch.load(f"{out}.{rank}", weights_only=True)
+        fp32, bf16 = r["torch.float32"], r["torch.bfloat16"]
+        assert fp32["bytes"] == 4 * r["shard_numel"] and fp32["dtypes"] == ["torch.float32"], r
+        assert bf16["bytes"] == 2 * r["shard_numel"] and bf16["dtypes"] == ["torch.bfloat16"], r
+        assert bf16["out"] == ["torch.bfloat16"] and fp32["out"] == ["torch.float32"]
+
+
+@pytest.mark.parametrize("diff,dtype,warns", [
+    (1e-6, "float32", False), (1.3e-4, "float32", False), (5e-3, "float32", True),
+    (0.3, "bfloat16", False), (3.0, "bfloat16", True), (float("nan"), "float32", False),
+])
+def test_probe_warning_threshold_depends_on_the_dtype(diff, dtype, warns, caplog):
+    from distflow.rollout.weight_sync import warn_if_out_of_sync
+
+    assert warn_if_out_of_sync(diff, dtype, step=3) == diff or diff != diff
+    assert ("step 3: the engine's logprobs differ" in caplog.text) is warns

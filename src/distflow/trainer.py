@@ -43,7 +43,7 @@ from distflow.policy import Policy
 from distflow.reporting import UpdateResult, run_summary, step_report, timed
 from distflow.rewards.pool import RewardPool
 from distflow.rollout import Sample, build_engine
-from distflow.rollout.weight_sync import full_parameters, max_logprob_diff
+from distflow.rollout.weight_sync import full_parameters, max_logprob_diff, warn_if_out_of_sync
 from distflow.rollouts import Rollouts, sample_seed
 from distflow.scoring import score_groups, shape_rewards
 from distflow.update import forward_rows, optimize, response_logprobs
@@ -246,7 +246,8 @@ class Trainer:
         if n == 0 or (self.step % every and self.step != 1):
             return float("nan")
         seqs = [s.prompt_ids + s.response_ids for s in samples[:n]] or [[self.pad_id, self.pad_id]]
-        return max_logprob_diff(self.engine, self.policy, seqs, self.pad_id)
+        return warn_if_out_of_sync(max_logprob_diff(self.engine, self.policy, seqs, self.pad_id), self.cfg.model.dtype,
+                                   self.step)
 
     def validate(self) -> dict[str, float]:
         k = self.cfg.trainer.val_pass_k

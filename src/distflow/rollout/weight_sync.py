@@ -2,16 +2,29 @@
 
 Every rank gathers each parameter (DTensor.full_tensor(), an all-gather within FSDP's mesh)
 and hands it to its own engine: nothing is written to disk and nothing funnels through one
-rank. Parameters are gathered a bucket at a time, so the peak extra memory is one bucket,
+rank. Each shard is cast to the engine's dtype before the gather, so bf16 engines get half the
+bytes of the fp32 master weights over the link, and no full-size fp32 temporary exists.
+Parameters are gathered a bucket at a time, so the peak extra memory is one bucket,
 not a full model copy. All ranks must consume the stream fully and in the same order.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Iterator
 
 import torch
 from torch.distributed.tensor import DTensor
+
+log = logging.getLogger("distflow")
+
+# The post-resync probe warns above these max |engine - policy| logprobs. In float32 both sides
+# compute the same function and differ by summation order: <= 1e-6 on the tiny model and 6e-5 to
+# 1.3e-4 on SmolLM2-135M with vLLM on CPU (the demo's metrics), so 1e-3 already means a wrong or
+# partial resync. In bfloat16 the engine's kernels round differently from the trainer's, and a
+# max over tokens of log-probabilities reaches tenths of a nat on healthy runs; only a broken resync
+# (stale or unloaded weights) goes past 1. README "Weight sync" lists the expected ranges.
+PROBE_WARN_ABOVE = {"float32": 1e-3, "bfloat16": 1.0}
 
 
 @torch.no_grad()
@@ -31,6 +44,15 @@ def max_logprob_diff(engine, policy, seqs: list[list[int]], pad_id: int) -> floa
     return diff
 
 
+def warn_if_out_of_sync(diff: float, dtype: str, step: int) -> float:
+    """`diff`, after logging a warning when it is past what `dtype` explains (PROBE_WARN_ABOVE)."""
+    limit = PROBE_WARN_ABOVE[dtype]
+    if diff > limit:
+        log.warning(f"step {step}: the engine's logprobs differ from the policy's by up to {diff:.3g} after the "
+                    f"resync, more than {limit:g} expected in {dtype}: the engine may not hold the policy's weights")
+    return diff
+
+
 def full_parameters(
     model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -43,9 +65,8 @@ def full_parameters(
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, param in model.named_parameters():
-        t = param.detach()
+        t = param.detach().to(dtype)  # cast the shard, then gather: bf16 moves half the bytes
         t = t.full_tensor() if isinstance(t, DTensor) else t
-        t = t.to(dtype)
         bucket.append((name, t))
         size += t.numel() * t.element_size()
         if size >= bucket_bytes:
