@@ -163,3 +163,22 @@ def test_export_round_trip_matches_live_policy(tiny_model_dir, tmp_path):
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)(input_ids=torch.tensor(IDS)).logits
     assert float((live - base).abs().max()) > 1e-3  # the perturbation is visible
     assert float((live - logits).abs().max()) <= 1e-6
+
+
+def test_cuda_rng_state_is_saved_and_restored_on_cuda_ranks(monkeypatch):
+    """On a CUDA rank the device generator rides along (faked here: CPU torch has no CUDA RNG)."""
+    from distflow.checkpoint import RNGState
+
+    device_state = {"cuda:1": torch.arange(16, dtype=torch.uint8)}
+    restored = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: device_state[str(device)].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((str(device), state)))
+    state = json.loads(json.dumps(RNGState("cuda:1").state_dict()))  # what rank_<r>.json holds
+    assert state["cuda"] == list(range(16))
+    RNGState("cuda:1").load_state_dict(state)
+    assert [(d, s.tolist()) for d, s in restored] == [("cuda:1", list(range(16)))]
+    # a CPU rank neither writes nor restores one; a CPU checkpoint restores no CUDA state
+    assert "cuda" not in RNGState("cpu").state_dict()
+    RNGState("cpu").load_state_dict(state)
+    RNGState("cuda:1").load_state_dict({k: v for k, v in state.items() if k != "cuda"})
+    assert len(restored) == 1

@@ -63,18 +63,28 @@ class ModelOptimState(Stateful):
 
 
 class RNGState(Stateful):
-    """Every RNG that can affect the run (torch, python, numpy), as JSON-safe data."""
+    """Every RNG that can affect the run (torch's CPU generator and, on CUDA, the rank's device
+    generator; python; numpy), as JSON-safe data. A checkpoint written on CPU restores no CUDA
+    state; one written on CUDA restores it only on a CUDA rank."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
 
     def state_dict(self) -> dict[str, Any]:
         np_state = np.random.get_state()
-        return {
+        state = {
             "torch": torch.get_rng_state().tolist(),
             "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
             "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
         }
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device).tolist()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+        if self.device.type == "cuda" and "cuda" in state:
+            torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8), self.device)
         version, internal, gauss = state["python"]
         random.setstate((version, tuple(internal), gauss))
         name, keys, pos, has_gauss, cached = state["numpy"]

@@ -264,7 +264,7 @@ class Trainer:
             ck.register("critic", ModelOptimState(self.critic.model, self.critic.optimizer), "sharded")
             ck.register("critic_schedule", self.critic.scheduler, "shared")
         ck.register("sampler", self.sampler, "rank")
-        ck.register("rng", RNGState(), "rank")
+        ck.register("rng", RNGState(self.dist.device), "rank")
         ck.register("trainer", self, "shared")
 
     def state_dict(self) -> dict:
