@@ -91,7 +91,7 @@ def step_report(cfg: DistflowConfig, step: int, samples: list[Sample], rewards: 
     }
     maxima = {f"timing/{k}_s": v for k, v in timing.items()}
     maxima.update({"response_length/max": float(max(resp_lens)), "sync/max_abs_logprob_diff": probe,
-                   "dynamic_sampling/rounds": float(stats.rounds)})
+                   "dynamic_sampling/rounds": float(stats.rounds), **gpu_memory()})
     g = reduce_step_metrics(sums, maxima, {"timing/update_min_s": timing.get("update", 0.0)})
     n, trained = max(g["samples"], 1.0), max(g["upd/tokens"], 1.0)
     out = {
@@ -100,7 +100,7 @@ def step_report(cfg: DistflowConfig, step: int, samples: list[Sample], rewards: 
         "response_length/mean": g["resp_tokens"] / n,
         "response_length/max": g["response_length/max"],
         "response/truncated_frac": g["truncated"] / n,
-        **{k: v for k, v in g.items() if k.startswith("timing/")},
+        **{k: v for k, v in g.items() if k.startswith(("timing/", "memory/"))},
         "throughput/tokens_per_s": g["tokens"] / max(g["timing/step_s"], 1e-9),
         "sync/max_abs_logprob_diff": g["sync/max_abs_logprob_diff"],
         "loss/policy": g["upd/loss"] / upd.passes,
@@ -134,6 +134,19 @@ def step_report(cfg: DistflowConfig, step: int, samples: list[Sample], rewards: 
         out["dynamic_sampling/generated_groups"] = g["generated_groups"]
         out["dynamic_sampling/rounds"] = g["dynamic_sampling/rounds"]
         out["update/skipped"] = float(upd.skipped)
+    return out
+
+
+def gpu_memory() -> dict[str, float]:
+    """On CUDA: the step's peak of torch's allocator on this rank's GPU (policy, engine tensors the
+    allocator serves, activations) and the device's whole use at the end of the step (vLLM's pools
+    and NCCL included), in GiB; then the peak is reset for the next step. Nothing on CPU."""
+    if not torch.cuda.is_initialized():
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    out = {"memory/peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+           "memory/device_used_gib": (total - free) / 2**30}
+    torch.cuda.reset_peak_memory_stats()
     return out
 
 
