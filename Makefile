@@ -28,7 +28,7 @@ export PIP_TIMEOUT        := 60
 export PIP_RESUME_RETRIES := 20
 RETRY = retry() { for try in 1 2 3; do "$$@" && return 0; echo "make: attempt $$try of 3 failed: $$*" >&2; sleep 15; done; return 1; }; retry
 
-.PHONY: install install-gpu demo smoke test clean
+.PHONY: install install-gpu demo smoke test gpu-check clean
 
 install: $(STAMP)
 
@@ -65,6 +65,11 @@ smoke: install
 
 test: install
 	$(BIN)/python -m pytest -q -rs --durations=25 $(PYTEST_ARGS)
+
+# One GPU, no network, no install: the smoke run in fp32 and bf16 and a few SmolLM2 steps, from
+# the source tree, with whatever python has torch (PYTHON=...); see bench/gpu_check.sh.
+gpu-check:
+	bash bench/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) $(GPU_VENV) outputs .pytest_cache

@@ -139,3 +139,16 @@ def test_device_cpu_trains_on_a_machine_that_shows_gpus(tmp_path):
                     extra_env={"CUDA_VISIBLE_DEVICES": "0"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert [r["step"] for r in read_metrics(tmp_path)] == [1]
+
+
+def test_gpu_memory_metrics_only_on_cuda(monkeypatch):
+    from distflow.reporting import gpu_memory
+
+    assert gpu_memory() == {}  # CPU: no keys at all
+    resets = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (100 * 2**30, 140 * 2**30))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: resets.append(1))
+    assert gpu_memory() == {"memory/peak_allocated_gib": 3.0, "memory/device_used_gib": 40.0}
+    assert resets == [1]  # the next step's peak starts afresh
