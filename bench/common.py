@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import shutil
 import socket
 import statistics
@@ -214,6 +215,9 @@ def table(headers: list[str], rows: list[list]) -> str:
 
 
 def write_json(results_dir: str, name: str, obj: dict) -> Path:
+    """Write the result, with the command that made it and the 1-minute load average when written."""
+    obj = {**obj, "command": obj.get("command") or " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+           "loadavg_1m_at_write": loadavg()}
     d = Path(results_dir)
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"{name}.json"

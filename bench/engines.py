@@ -1,6 +1,7 @@
-"""Rollout engines: vLLM vs transformers `generate` (HF engine) tokens/s at the demo's batch shape.
+"""Rollout engines: vLLM vs transformers `generate` (HF engine) tokens/s at the smoke experiment's batch shape.
 
-The shape is read from recipes/experiment/smoke.yaml (what `make demo` runs): per rank
+The shape is read from recipes/experiment/smoke.yaml (2 prompts x 4 samples per rank, 16 new
+tokens; the demo's is 2 x 4 with 48): per rank
 data.prompts_per_rank prompts x algorithm.group_size samples, rollout.max_new_tokens new tokens,
 on NPROC ranks (the Makefile's default, 2) launched together with torchrun, each with its own
 engine, as in training. Both engines live in the same processes and timed rounds alternate
@@ -73,15 +74,15 @@ def main() -> None:
     from omegaconf import OmegaConf
 
     p = C.parser(__doc__.split("\n")[0])
-    p.add_argument("--nproc", type=int, default=2, help="ranks, each with its own engines (demo: 2)")
+    p.add_argument("--nproc", type=int, default=2, help="ranks, each with its own engines (as make demo: 2)")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds per engine (default 6; --smoke: 1)")
     args = p.parse_args()
     if not args.models and not args.smoke:
         args.models = "smollm2_135m" if C.smollm2_available() else "tiny"
     rounds = args.rounds or (1 if args.smoke else 6)
-    demo = OmegaConf.load(C.ROOT / "recipes" / "experiment" / "smoke.yaml")
-    shape = {"prompts_per_rank": int(demo.data.prompts_per_rank), "group_size": int(demo.algorithm.group_size),
-             "max_new_tokens": int(demo.rollout.max_new_tokens), "max_prompt_tokens": int(demo.rollout.max_prompt_tokens),
+    smoke = OmegaConf.load(C.ROOT / "recipes" / "experiment" / "smoke.yaml")
+    shape = {"prompts_per_rank": int(smoke.data.prompts_per_rank), "group_size": int(smoke.algorithm.group_size),
+             "max_new_tokens": int(smoke.rollout.max_new_tokens), "max_prompt_tokens": int(smoke.rollout.max_prompt_tokens),
              "ranks": args.nproc}
     wd = C.work_dir(args, "engines")
     records, rows = [], []
