@@ -30,7 +30,12 @@ OmegaConf.register_new_resolver("recipes_dir", lambda: RECIPES_DIR, replace=True
 
 def _prepare_argv() -> None:
     """Only rank 0 writes .hydra/; logging is distflow's own (distflow.output) on every rank;
-    multirun cannot work under torchrun."""
+    multirun cannot work under torchrun. The working directory goes on sys.path (last, so it
+    shadows nothing): `python script.py` puts only the script's folder there, and a user's
+    reward module beside them (task.reward=my_rewards:fn) would not import, here or in the
+    reward workers, which inherit this sys.path."""
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     args = sys.argv[1:]
     if "WORLD_SIZE" in os.environ and any(a in ("-m", "--multirun") for a in args):
         sys.exit("distflow: error: Hydra multirun (-m) is not supported under torchrun; "
