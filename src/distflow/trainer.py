@@ -72,6 +72,8 @@ class Trainer:
         self.dist = init_distributed(t.backend, t.device, t.collective_timeout_s)
         self.cfg = cfg = resolve_auto(cfg, self.dist.device)  # dtype, eager mode, shard degree for the device
         setup_output(t.output_dir, self.dist.rank, t.log_level)
+        log.info(f"{self.dist.world_size} rank(s) on {self.dist.device.type} ({self.dist.backend}), "
+                 f"model dtype {cfg.model.dtype}")
         self.layout = ParallelLayout.from_config(cfg.model, self.dist)
         save_config(cfg, t.output_dir, write=self.dist.is_main)
         random.seed(t.seed)
@@ -102,8 +104,7 @@ class Trainer:
         self.register_state()
         resumed = self.resume()
         self.logger = MetricLogger(t.output_dir, self.dist.is_main, t.steps, t.progress_bar, loggers=t.loggers,
-                                   run_config=cfg, project=t.wandb_project,
-                                   history=self.history if resumed else None)
+                                   run_config=cfg, project=t.wandb_project, history=self.history if resumed else None)
 
     # ----------------------------------------------------------------- the loop
     def train(self) -> None:
