@@ -99,7 +99,8 @@ def summarize(rows: list[dict]) -> dict:
     if not rows:
         return {"steps": 0}
     timed = rows[1:] if len(rows) > 1 else rows
-    probes = [r["sync/max_abs_logprob_diff"] for r in rows if r.get("sync/max_abs_logprob_diff") == r.get("sync/max_abs_logprob_diff")]
+    probes = [r["sync/max_abs_logprob_diff"] for r in rows
+              if r.get("sync/max_abs_logprob_diff") == r.get("sync/max_abs_logprob_diff")]  # not NaN
     out = {
         "steps": len(rows),
         "probe_max_abs_logprob_diff": max(probes) if probes else None,
@@ -146,14 +147,15 @@ def main() -> int:
         print(f"gpu_check: error: {python} lacks {', '.join(missing)}; bring wheels "
               "(pip download -d wheels -r requirements/gpu-check.txt) and pass --wheels wheels", file=sys.stderr)
         return 2
-    device = ["trainer.device=cpu", "trainer.backend=gloo"] if a.dry_run else ["trainer.device=cuda", "trainer.backend=nccl"]
+    device = ["trainer.device=cpu", "trainer.backend=gloo"] if a.dry_run else \
+        ["trainer.device=cuda", "trainer.backend=nccl"]
     smoke_steps = a.steps or (1 if a.dry_run else 3)
     model_steps = a.steps or (1 if a.dry_run else 6)
     probe = ["trainer.sync_probe_every=1", "trainer.sync_probe_seqs=4"]
     runs = {}
     for dtype in ("float32", "bfloat16"):
-        runs[f"smoke_{dtype}"] = run(f"smoke_{dtype}", python, ["experiment=smoke", f"model.dtype={dtype}", *device,
-                                                                  *probe, f"trainer.steps={smoke_steps}"], out, a.timeout)
+        overrides = ["experiment=smoke", f"model.dtype={dtype}", *device, *probe, f"trainer.steps={smoke_steps}"]
+        runs[f"smoke_{dtype}"] = run(f"smoke_{dtype}", python, overrides, out, a.timeout)
     shape = ["data.prompts_per_rank=2", "rollout.max_new_tokens=16"] if a.dry_run else \
         ["data.prompts_per_rank=8", "rollout.max_new_tokens=64"]  # 32 sequences per step on the GPU
     runs[f"{model}_bfloat16"] = run(f"{model}_bfloat16", python, [

@@ -165,5 +165,6 @@ def resolve_auto(cfg: DistflowConfig, device: torch.device | str) -> DistflowCon
     """A copy of `cfg` with every "auto" above made concrete for `device` (what config.json records)."""
     dtype = str(torch_dtype(cfg.model.dtype, device)).removeprefix("torch.")
     model = dataclasses.replace(cfg.model, dtype=dtype, shard_ranks=shard_ranks(cfg.model))
-    rollout = dataclasses.replace(cfg.rollout, enforce_eager=str(enforce_eager(cfg.rollout.enforce_eager, device)).lower())
+    eager = str(enforce_eager(cfg.rollout.enforce_eager, device)).lower()
+    rollout = dataclasses.replace(cfg.rollout, enforce_eager=eager)
     return dataclasses.replace(cfg, model=model, rollout=rollout)
