@@ -42,6 +42,11 @@ class AdvantageInputs:
     mask: torch.Tensor  # [N, R] 1 on valid response tokens
     values: Optional[torch.Tensor] = None  # [N, R] the critic's V(state before token t), for GAE
 
+    def sequence_rewards(self) -> torch.Tensor:
+        """[N] float32: each sample's outcome reward plus the sum of its valid token rewards."""
+        m = self.mask.to(torch.float32)
+        return self.scores.reshape(-1).to(torch.float32) + (self.token_rewards.to(torch.float32) * m).sum(-1)
+
 
 Estimator = Callable[[AdvantageInputs, AlgorithmConfig, GlobalSum], tuple[torch.Tensor, Optional[torch.Tensor]]]
 
@@ -158,7 +163,7 @@ def reinforce_pp_baseline_advantages(inputs: AdvantageInputs, cfg: AlgorithmConf
     whose scalars are all equal gets exactly 0 (verl would give it -mean/std of the batch).
     """
     m = inputs.mask.to(torch.float32)
-    scalar = inputs.scores.reshape(-1).to(torch.float32) + (inputs.token_rewards.to(torch.float32) * m).sum(-1)
+    scalar = inputs.sequence_rewards()
     groups = scalar.view(-1, cfg.group_size)
     centered = _zero_equal_groups(groups - groups.mean(dim=1, keepdim=True), groups).reshape(-1)
     adv = whiten_global(centered[:, None] * m, global_sum, cfg.eps, mask=m)
@@ -196,7 +201,7 @@ def sequence_estimator(fn: Callable[[torch.Tensor, AlgorithmConfig, GlobalSum], 
 
     def estimate(inputs: AdvantageInputs, cfg: AlgorithmConfig, global_sum: GlobalSum):
         m = inputs.mask.to(torch.float32)
-        scalar = inputs.scores.reshape(-1).to(torch.float32) + (inputs.token_rewards.to(torch.float32) * m).sum(-1)
+        scalar = inputs.sequence_rewards()
         adv = fn(scalar.view(-1, cfg.group_size), cfg, global_sum).reshape(-1)
         return adv[:, None].to(m.device) * m, None
 
