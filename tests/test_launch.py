@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ TEMPLATES = {"single": ROOT / "launch" / "slurm" / "single_node.sbatch",
              "multi": ROOT / "launch" / "slurm" / "multi_node.sbatch"}
 
 SRUN_STUB = r'''#!{python}
-import json, os, subprocess, sys, time
+import json, os, signal, subprocess, sys, time
 args, opts = sys.argv[1:], {{}}
 while args and args[0].startswith("-"):
     key, _, value = args.pop(0).partition("=")
@@ -38,6 +39,12 @@ if os.environ.get("FAKE_SRUN_RECORD"):
     sys.exit(0)
 nodes = int(opts.get("--nodes", os.environ["SLURM_NNODES"]))
 procs = []
+def forward(sig, frame):  # srun passes the signals it gets on to its tasks
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(sig)
+signal.signal(signal.SIGUSR1, forward)
+signal.signal(signal.SIGTERM, forward)
 for i in range(nodes):
     name = "fakenode%d" % i
     out = opts["--output"]
@@ -55,6 +62,11 @@ sys.exit(next((abs(p.returncode) for p in procs if p.returncode), 0))
 '''
 
 SCONTROL_STUB = r'''#!/usr/bin/env bash
+# scontrol requeue <id>: recorded in $FAKE_SCONTROL_LOG
+if [[ "$1" == requeue ]]; then
+    echo "requeue $2" >>"${FAKE_SCONTROL_LOG:-/dev/null}"
+    exit 0
+fi
 # scontrol show hostnames <list>: one name per line
 [[ "$1 $2" == "show hostnames" ]] || exit 1
 printf '%s\n' ${FAKE_HOSTNAMES}
@@ -76,7 +88,7 @@ def _stub_bin(tmp_path) -> Path:
 
 
 def _slurm_env(tmp_path, **extra) -> dict:
-    knobs = ("PYTHON", "NPROC_PER_NODE", "OMP_NUM_THREADS", "MAX_RESTARTS")
+    knobs = ("PYTHON", "NPROC_PER_NODE", "OMP_NUM_THREADS", "MAX_RESTARTS", "MIN_NODES", "GRACE_S", "REQUEUE")
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "SRUN_", "MASTER_", "DISTFLOW_")) and k not in knobs}
     env.update(PATH=f"{_stub_bin(tmp_path)}{os.pathsep}{env['PATH']}", SLURM_SUBMIT_DIR=str(ROOT),
@@ -85,17 +97,24 @@ def _slurm_env(tmp_path, **extra) -> dict:
     return env
 
 
-def _run_template(which: str, args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+def _start(script: Path, args: list[str], env: dict) -> subprocess.Popen:
     # its own session, so a timeout can stop the stub srun and every torchrun under it
-    proc = subprocess.Popen(["bash", str(TEMPLATES[which]), *args], cwd=ROOT, env=env, text=True,
+    return subprocess.Popen(["bash", str(script), *args], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"template run timed out after {timeout}s:\n{out[-3000:]}\n{err[-3000:]}")
+        pytest.fail(f"run timed out after {timeout}s:\n{out[-3000:]}\n{err[-3000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _run_template(which: str, args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    return _finish(_start(TEMPLATES[which], args, env), timeout)
 
 
 def _record(tmp_path, which, args, **env_extra) -> dict:
@@ -145,6 +164,9 @@ def test_sbatch_header(which):
         opts[m.group(1)] = m.group(2)
     assert {"nodes", "ntasks-per-node", "output", "job-name"} <= set(opts), opts
     assert opts["ntasks-per-node"] == "1"
+    # warned before the time limit (the batch shell only), and allowed to requeue itself
+    assert re.fullmatch(r"B:USR1@\d+", opts["signal"]) and int(opts["signal"].split("@")[1]) >= 60
+    assert "requeue" in opts and opts["requeue"] is None
     assert int(opts["nodes"]) == (1 if which == "single" else 2)
     # sbatch stops reading directives at the first command: all of them must come before it
     first_code = next(i for i, line in enumerate(lines) if line.strip() and not line.startswith("#"))
@@ -206,6 +228,9 @@ def test_multi_node_template_builds_torchrun_from_the_allocation(tmp_path):
     assert flags["nnodes"] == "3" and flags["nproc_per_node"] == "4"
     assert flags["rdzv_backend"] == "c10d" and flags["rdzv_id"] == "987654"
     assert flags["rdzv_endpoint"] == f"gpu07:{20000 + 987654 % 20000}"
+    # torchrun passes SIGUSR1 on to the ranks and gives them time to save
+    assert "SIGUSR1" in flags["signals-to-handle"].split(",") and "SIGTERM" in flags["signals-to-handle"].split(",")
+    assert flags["shutdown-timeout"] == "150" and "--no-kill" not in opts
     script = cmd.index(str(repo / "recipes" / "grpo.py"))
     assert cmd[script + 1:] == [f"trainer.output_dir={run_dir}", "experiment=smoke", "trainer.steps=7", "rollout=hf"]
     assert rec["env"]["OMP_NUM_THREADS"] == "8" and rec["env"]["SRUN_CPUS_PER_TASK"] == "32"
@@ -278,6 +303,130 @@ def test_template_outside_slurm_fails_clearly(tmp_path):
     proc = _run_template("multi", ["experiment=smoke"], env, timeout=60)
     assert proc.returncode != 0 and "SLURM_JOB_ID" in proc.stderr
     assert not (tmp_path / "srun.json").exists()
+
+
+# ----------------------------------------------------------------------------- stop, save, requeue
+# Stands in for torchrun and the trainer, as the templates and local.sh run them: records its
+# arguments, says it is ready, then on SIGUSR1/SIGTERM "saves" (rank 0 reports the step in
+# $DISTFLOW_STOP_FILE) and exits 1, as torchrun does after passing a signal on. FAKE_EXIT=<n>
+# makes it exit n at once without a report, like a run that finishes or crashes.
+FAKE_TORCHRUN = r"""#!{python}
+import json, os, signal, sys, time
+from pathlib import Path
+assert sys.argv[1:3] == ["-m", "torch.distributed.run"], sys.argv
+rec = Path(os.environ["FAKE_TORCHRUN_DIR"])
+node = os.environ.get("SLURM_NODEID", "local")
+(rec / f"argv-{{node}}.json").write_text(json.dumps(sys.argv[3:]))
+if "FAKE_EXIT" in os.environ:
+    sys.exit(int(os.environ["FAKE_EXIT"]))
+got = []
+for sig in (signal.SIGUSR1, signal.SIGTERM):
+    signal.signal(sig, lambda s, f: got.append(signal.Signals(s).name))
+(rec / f"ready-{{node}}").touch()
+deadline = time.time() + 30
+while not got and time.time() < deadline:
+    time.sleep(0.02)
+(rec / f"got-{{node}}").write_text(",".join(got))
+time.sleep(0.3)  # "saving": the launcher must wait for it
+if node in ("0", "local") and got:
+    with open(os.environ["DISTFLOW_STOP_FILE"], "w") as f:
+        json.dump({{"step": 3, "checkpoint": "/runs/x/checkpoints/step_3", "signal": got[0]}}, f)
+sys.exit(1)
+"""
+
+
+def _fake_torchrun(tmp_path) -> tuple[Path, Path]:
+    rec = tmp_path / "torchrun"
+    rec.mkdir()
+    path = tmp_path / "fake-torchrun" / "python"
+    path.parent.mkdir()
+    path.write_text(FAKE_TORCHRUN.format(python=sys.executable))
+    path.chmod(0o755)
+    return path, rec
+
+
+def _wait_ready(proc: subprocess.Popen, rec: Path, nodes: list[str], timeout: float = 30):
+    deadline = time.time() + timeout
+    while not all((rec / f"ready-{n}").exists() for n in nodes):
+        if proc.poll() is not None or time.time() > deadline:
+            out, err = proc.communicate(timeout=10) if proc.poll() is None else proc.communicate()
+            pytest.fail(f"the stand-in torchrun never started (rc {proc.returncode}):\n{out}\n{err}")
+        time.sleep(0.05)
+
+
+def _signal_job(tmp_path, which, sig, nnodes=1, **env_extra):
+    """Start a template on the stand-in torchrun, send `sig` to the batch shell, let it finish."""
+    python, rec = _fake_torchrun(tmp_path)
+    job_id = "4242"
+    env = _slurm_env(tmp_path, SLURM_JOB_ID=job_id, SLURM_NNODES=str(nnodes),
+                     SLURM_JOB_NODELIST=f"fakenode[0-{nnodes - 1}]",
+                     FAKE_HOSTNAMES=" ".join(f"fakenode{i}" for i in range(nnodes)), PYTHON=str(python),
+                     FAKE_TORCHRUN_DIR=str(rec), FAKE_SCONTROL_LOG=str(tmp_path / "scontrol.log"), **env_extra)
+    proc = _start(TEMPLATES[which], ["experiment=smoke"], env)
+    nodes = [str(i) for i in range(nnodes)]
+    _wait_ready(proc, rec, nodes)
+    proc.send_signal(sig)
+    result = _finish(proc, timeout=60)
+    run_dir = tmp_path / "outputs" / f"smoke-{job_id}"
+    return result, rec, run_dir, job_id, nodes
+
+
+@pytest.mark.parametrize("which,nnodes", [("single", 1), ("multi", 2)])
+def test_usr1_to_the_batch_shell_saves_and_requeues(tmp_path, which, nnodes):
+    proc, rec, run_dir, job_id, nodes = _signal_job(tmp_path, which, signal.SIGUSR1, nnodes)
+    detail = proc.stdout + proc.stderr
+    assert proc.returncode == 75, detail
+    # the signal went batch shell -> srun -> every node's torchrun
+    assert all((rec / f"got-{n}").read_text() == "SIGUSR1" for n in nodes), detail
+    report = json.loads((run_dir / "logs" / f"stop-{job_id}.json").read_text())
+    assert report["step"] == 3
+    assert "stopped at step 3 after saving checkpoint /runs/x/checkpoints/step_3" in proc.stdout
+    assert f"requeueing job {job_id}" in proc.stdout
+    assert (tmp_path / "scontrol.log").read_text() == f"requeue {job_id}\n"
+    argv = json.loads((rec / "argv-0.json").read_text())
+    flags = _torchrun_flags(argv)
+    assert flags["signals-to-handle"].split(",")[-1] == "SIGUSR1" and flags["shutdown-timeout"] == "150"
+
+
+def test_requeue_0_saves_and_stops_without_requeueing(tmp_path):
+    proc, rec, run_dir, job_id, _ = _signal_job(tmp_path, "single", signal.SIGUSR1, REQUEUE="0", GRACE_S="60")
+    assert proc.returncode == 75, proc.stdout + proc.stderr
+    assert "stopped at step 3" in proc.stdout and "not requeued (REQUEUE=0)" in proc.stdout
+    assert f"trainer.output_dir={run_dir}" in proc.stdout  # how to resume by hand
+    assert not (tmp_path / "scontrol.log").exists()
+    assert _torchrun_flags(json.loads((rec / "argv-0.json").read_text()))["shutdown-timeout"] == "60"
+
+
+def test_sigterm_to_the_batch_shell_saves_but_does_not_requeue(tmp_path):
+    """scancel (or preemption) sends SIGTERM: the ranks still get SIGUSR1 and save, but a
+    cancelled job must not put itself back in the queue."""
+    proc, rec, run_dir, job_id, _ = _signal_job(tmp_path, "multi", signal.SIGTERM, nnodes=2)
+    assert proc.returncode == 75, proc.stdout + proc.stderr
+    assert (rec / "got-0").read_text() == "SIGUSR1" and (rec / "got-1").read_text() == "SIGUSR1"
+    assert "not requeued (the job got SIGTERM)" in proc.stdout
+    assert not (tmp_path / "scontrol.log").exists()
+
+
+@pytest.mark.parametrize("which", TEMPLATES)
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_run_without_a_stop_report_keeps_its_status(tmp_path, which, code):
+    """A run that finishes or crashes exits with srun's status and is never requeued, even with
+    a report left over from an earlier job under the same id (the template deletes it first)."""
+    python, rec = _fake_torchrun(tmp_path)
+    run_dir = tmp_path / "outputs" / "smoke-77"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "logs" / "stop-77.json").write_text('{"step": 1, "checkpoint": "old", "signal": "SIGUSR1"}')
+    env = _slurm_env(tmp_path, SLURM_JOB_ID="77", SLURM_NNODES="1", SLURM_JOB_NODELIST="fakenode0",
+                     FAKE_HOSTNAMES="fakenode0", PYTHON=str(python), FAKE_TORCHRUN_DIR=str(rec),
+                     FAKE_EXIT=str(code), FAKE_SCONTROL_LOG=str(tmp_path / "scontrol.log"), SLURM_RESTART_COUNT="2")
+    proc = _run_template(which, ["experiment=smoke"], env, timeout=60)
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    assert "stopped at step" not in proc.stdout and not (tmp_path / "scontrol.log").exists()
+    assert not (run_dir / "logs" / "stop-77.json").exists()
+    # a requeued job says so, and resumes through trainer.resume=auto alone
+    assert f"requeued job (restart 2): resuming from the newest checkpoint in {run_dir}" in proc.stdout
+    argv = json.loads((rec / "argv-0.json").read_text())
+    assert not any(a.startswith(("trainer.resume", "+trainer.resume")) for a in argv)
 
 
 # ----------------------------------------------------------------------------- real run
