@@ -429,6 +429,34 @@ def test_a_run_without_a_stop_report_keeps_its_status(tmp_path, which, code):
     assert not any(a.startswith(("trainer.resume", "+trainer.resume")) for a in argv)
 
 
+def test_min_nodes_makes_the_run_elastic(tmp_path):
+    rec = _record(tmp_path, "multi", ["experiment=smoke"], SLURM_JOB_ID="5", SLURM_NNODES="2",
+                  SLURM_JOB_NODELIST="fakenode[0-1]", FAKE_HOSTNAMES="fakenode0 fakenode1", MIN_NODES="1",
+                  MAX_RESTARTS="2")
+    flags = _torchrun_flags(rec["command"])
+    assert flags["nnodes"] == "1:2" and flags["max-restarts"] == "2"
+    # one node's torchrun ending must not make srun kill the nodes that carry on
+    assert rec["opts"]["--kill-on-bad-exit"] == "0" and "--no-kill" in rec["opts"]
+
+
+@pytest.mark.parametrize("min_nodes", ["0", "3", "two"])
+def test_min_nodes_out_of_range_is_refused(tmp_path, min_nodes):
+    record = tmp_path / "srun.json"
+    env = _slurm_env(tmp_path, FAKE_SRUN_RECORD=str(record), SLURM_JOB_ID="5", SLURM_NNODES="2",
+                     SLURM_JOB_NODELIST="fakenode[0-1]", FAKE_HOSTNAMES="fakenode0 fakenode1", MIN_NODES=min_nodes)
+    proc = _run_template("multi", ["experiment=smoke"], env, timeout=60)
+    assert proc.returncode == 2 and f"MIN_NODES={min_nodes} must be a count from 1" in proc.stderr
+    assert not record.exists()
+
+
+def test_min_nodes_without_restarts_warns(tmp_path):
+    record = tmp_path / "srun.json"
+    env = _slurm_env(tmp_path, FAKE_SRUN_RECORD=str(record), SLURM_JOB_ID="5", SLURM_NNODES="2",
+                     SLURM_JOB_NODELIST="fakenode[0-1]", FAKE_HOSTNAMES="fakenode0 fakenode1", MIN_NODES="1")
+    proc = _run_template("multi", ["experiment=smoke"], env, timeout=60)
+    assert proc.returncode == 0 and "MIN_NODES=1 has no effect with MAX_RESTARTS=0" in proc.stderr
+
+
 # ----------------------------------------------------------------------------- real run
 @pytest.mark.slow
 def test_multi_node_template_trains_on_two_fake_nodes(tmp_path):
