@@ -48,6 +48,8 @@ def _prepare_argv() -> None:
 @record
 @hydra.main(config_path=".", config_name="grpo", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    from distflow.preemption import EXIT_STOPPED
+    from distflow.resume import RunComplete
     from distflow.trainer import RunAborted, Trainer
 
     try:
@@ -57,6 +59,10 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as e:
         print(f"distflow: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except RunComplete as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"distflow: {e}", flush=True)
+        sys.exit(0)
     try:
         trainer.train()
     except RunAborted as e:
@@ -68,6 +74,8 @@ def main(cfg: DictConfig) -> None:
         raise
     finally:
         trainer.close()
+    if trainer.stopped is not None:  # a signal: saved, exit with the status launchers requeue on
+        sys.exit(EXIT_STOPPED)
 
 
 if __name__ == "__main__":

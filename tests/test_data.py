@@ -236,8 +236,30 @@ def test_state_dict_resume():
 
 def test_state_dict_mismatch():
     state = ShardedSampler(10, 0, 2, seed=0).state_dict()
-    with pytest.raises(ConfigError, match="world_size"):
-        ShardedSampler(10, 0, 3, seed=0).load_state_dict(state)
+    with pytest.raises(ConfigError, match="seed"):
+        ShardedSampler(10, 0, 2, seed=1).load_state_dict(state)
+    with pytest.raises(ConfigError, match="num_items"):
+        ShardedSampler(11, 0, 2, seed=0).load_state_dict(state)
+
+
+@pytest.mark.parametrize("worlds", [(2, 1), (1, 2), (2, 3, 1), (3, 2)])
+def test_resized_resume_deals_each_item_of_the_epoch_once(worlds):
+    """Steps of k prompts per rank on one world size, then a save, then more steps on the next:
+    the items seen (in stream order) are epoch after epoch of the whole dataset, no repeats."""
+    n, k, seen, state = 11, 2, [], None
+    for world in worlds:
+        ranks = [ShardedSampler(n, r, world, seed=3) for r in range(world)]
+        for r, s in enumerate(ranks):
+            if state is not None:  # every rank resumes from rank 0's saved state, as a new rank does
+                s.load_state_dict(state)
+        for _ in range(3):
+            per_rank = [s.next_indices(k) for s in ranks]
+            seen += [per_rank[r][j] for j in range(k) for r in range(world)]  # stream order
+        state = ranks[0].state_dict()
+    straight = ShardedSampler(n, 0, 1, seed=3).next_indices(len(seen))
+    assert seen == straight  # the same global stream as one rank would read
+    epochs = [seen[i:i + n] for i in range(0, len(seen), n)]
+    assert all(sorted(e) == list(range(n)) for e in epochs[:-1]) and len(set(epochs[-1])) == len(epochs[-1])
 
 
 def test_too_few_items():

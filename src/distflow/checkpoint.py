@@ -13,6 +13,10 @@ Save and load loop over the registry; nothing else names what a checkpoint holds
 only once complete, so a crash mid-save never leaves a folder that looks loadable;
 `latest_checkpoint` also skips (with a warning) any folder without the marker. The marker
 carries FORMAT; a checkpoint of another format is refused with a message that says so.
+
+A checkpoint written by N ranks loads on M: DCP reshards the sharded states, and a rank that
+did not exist gets rank 0's rank-scoped state, or what the object's `state_for_new_rank`
+derives from it (RNGState derives fresh streams from the run seed, the step and the rank).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -67,8 +71,8 @@ class RNGState(Stateful):
     generator; python; numpy), as JSON-safe data. A checkpoint written on CPU restores no CUDA
     state; one written on CUDA restores it only on a CUDA rank."""
 
-    def __init__(self, device: torch.device | str = "cpu"):
-        self.device = torch.device(device)
+    def __init__(self, device: torch.device | str = "cpu", seed: int = 0):
+        self.device, self.seed = torch.device(device), seed
 
     def state_dict(self) -> dict[str, Any]:
         np_state = np.random.get_state()
@@ -89,6 +93,24 @@ class RNGState(Stateful):
         random.setstate((version, tuple(internal), gauss))
         name, keys, pos, has_gauss, cached = state["numpy"]
         np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+    def state_for_new_rank(self, rank0_state: dict[str, Any], rank: int, step: int) -> dict[str, Any]:
+        """Streams for a rank the saving run did not have: seeded from (run seed, step, rank), so
+        a resized resume is reproducible. Another rank's streams are never copied (two ranks
+        would draw the same numbers)."""
+        derived = (self.seed * 1_000_003 + step) * 1_009 + rank
+        saved = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        torch.manual_seed(derived)
+        random.seed(derived)
+        np.random.seed(derived % 2**32)
+        state = self.state_dict()
+        torch.set_rng_state(saved[0])
+        random.setstate(saved[1])
+        np.random.set_state(saved[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, self.device)
+        return state
 
 
 def _step_of(path: Path) -> int | None:
@@ -128,11 +150,12 @@ def is_complete(path: Path) -> bool:
 
 
 class Checkpointer:
-    def __init__(self, output_dir: str, keep_last: int, rank: int, every: int = 0):
+    def __init__(self, output_dir: str, keep_last: int, rank: int):
         self.root = Path(output_dir) / "checkpoints"
         self.keep_last = max(1, keep_last)
-        self.rank, self.every = rank, every
+        self.rank = rank
         self.registry: dict[str, tuple[str, Stateful]] = {}
+        self.before_marker: Callable[[int], None] | None = None  # test-only (distflow.faults.save_fault)
 
     def register(self, name: str, state: Stateful, scope: str) -> None:
         """Add `state` to every later save and load, under `name`."""
@@ -144,12 +167,6 @@ class Checkpointer:
 
     def _scope(self, scope: str) -> dict[str, Stateful]:
         return {name: state for name, (s, state) in self.registry.items() if s == scope}
-
-    def maybe_save(self, step: int, last: bool, meta: dict | None = None) -> Path | None:
-        """Save at the configured interval and at the end of the run (collective)."""
-        if last or (self.every and step % self.every == 0):
-            return self.save(step, meta)
-        return None
 
     def save(self, step: int, meta: dict | None = None) -> Path:
         """Collective: every rank calls it. `meta` (identical on all ranks) goes in the marker, for people."""
@@ -166,10 +183,12 @@ class Checkpointer:
         (tmp / f"rank_{self.rank}.json").write_text(json.dumps(rank_state))
         shared = {name: s.state_dict() for name, s in self._scope("shared").items()}
         barrier()
+        if self.before_marker is not None:
+            self.before_marker(step)
         if self.rank == 0:
             files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
-            (tmp / MARKER).write_text(json.dumps({"format": FORMAT, "step": step, "files": files,
-                                                  "meta": meta or {}, "state": shared}))
+            (tmp / MARKER).write_text(json.dumps({"format": FORMAT, "step": step, "world_size": _world_size(),
+                                                  "files": files, "meta": meta or {}, "state": shared}))
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             self._prune()
@@ -185,23 +204,37 @@ class Checkpointer:
         """Collective: restore every registered state from `path`; returns the marker's meta."""
         marker = read_marker(path)
         rank_file = path / f"rank_{self.rank}.json"
-        if not rank_file.is_file():
-            world = dist.get_world_size() if dist.is_initialized() else 1
-            raise ConfigError(f"checkpoint {path} has no state for rank {self.rank}; was it saved with world size {world}?")
+        new_rank = not rank_file.is_file()
+        if new_rank and not (path / "rank_0.json").is_file():
+            raise ConfigError(f"checkpoint {path} holds no per-rank state (no rank_0.json)")
+        rank_state = json.loads((path / "rank_0.json" if new_rank else rank_file).read_text())
         missing = [n for n in self._scope("shared") if n not in marker["state"]]
-        rank_state = json.loads(rank_file.read_text())
         missing += [n for n in self._scope("rank") if n not in rank_state]
         if missing:
             raise ConfigError(f"checkpoint {path} holds no state for {', '.join(missing)} (a run with another "
                               "algorithm or model setup wrote it)")
         sharded = self._scope("sharded")
         if sharded:
-            dcp.load(sharded, checkpoint_id=str(path))
+            dcp.load(sharded, checkpoint_id=str(path))  # reshards to this world size
         for name, state in self._scope("rank").items():
-            state.load_state_dict(rank_state[name])
+            saved = rank_state[name]
+            if new_rank and hasattr(state, "state_for_new_rank"):
+                saved = state.state_for_new_rank(saved, self.rank, marker["step"])
+            state.load_state_dict(saved)
         for name, state in self._scope("shared").items():
             state.load_state_dict(marker["state"][name])
         return marker.get("meta", {})
+
+
+def saved_world_size(marker: dict) -> int:
+    """How many ranks wrote a checkpoint (older markers: counted from the rank files)."""
+    if "world_size" in marker:
+        return int(marker["world_size"])
+    return sum(1 for name in marker.get("files", {}) if name.startswith("rank_") and name.endswith(".json"))
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def read_marker(path: Path) -> dict:

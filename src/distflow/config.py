@@ -187,17 +187,26 @@ class TrainerConfig:
     wandb_project: str = "distflow"
     plot_at_end: bool = True
     # Checkpointing (torch.distributed.checkpoint) and resume.
-    checkpoint_every: int = 0  # 0 = only at the end
+    checkpoint_every: int = 0  # every N steps; 0 = none besides the others below
+    # Also save when this many seconds passed since the last save (the slowest rank's clock).
+    checkpoint_every_s: float = 0.0
+    checkpoint_at_end: bool = True  # the final state (needed to continue a run with more steps)
     keep_last: int = 2
-    resume: str = "auto"  # auto | never | <checkpoint path>
+    # auto: continue the newest checkpoint in output_dir if the same run wrote it (a different
+    # config stops with what differs; a finished run exits 0), else start fresh | never: start
+    # fresh | force: continue the newest checkpoint whatever changed (e.g. more steps) | a path.
+    # A fresh start moves an earlier run's files to output_dir/previous/<time>/ (distflow.resume).
+    # SIGTERM or SIGUSR1 saves at the next step boundary and exits 75 (distflow.preemption).
+    resume: str = "auto"
     export_at_end: bool = False  # also write a plain HF folder at the end
     # Validation on the held-out split.
     val_every: int = 0
     val_before_train: bool = False
     val_at_end: bool = False
     val_pass_k: int = 0  # 0 = greedy pass@1 only
-    # Test-only fault injection: "RANK:STEP[:kill|raise|nan]" fails that rank during that step
-    # ("STEP+": that step and every later one; nan makes the rank's loss NaN).
+    # Test-only fault injection: "RANK:STEP[:kill|raise|nan|kill_saving]" fails that rank during
+    # that step ("STEP+": that step and every later one; nan makes the rank's loss NaN;
+    # kill_saving kills it in the middle of that step's checkpoint write).
     fault_inject: str = ""
 
 
@@ -227,6 +236,8 @@ class DistflowConfig:
             (self.trainer.steps >= 0, "trainer.steps must be >= 0"),
             (self.trainer.sync_probe_every >= 1, "trainer.sync_probe_every must be >= 1"),
             (self.trainer.max_nonfinite_steps >= 1, "trainer.max_nonfinite_steps must be >= 1"),
+            (self.trainer.checkpoint_every >= 0 and self.trainer.checkpoint_every_s >= 0,
+             "trainer.checkpoint_every and trainer.checkpoint_every_s must be >= 0 (0 = off)"),
             (self.trainer.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"),
              f"trainer.log_level must be DEBUG, INFO, WARNING or ERROR, got {self.trainer.log_level!r}"),
             (self.model.dtype != "float16", "model.dtype=float16 is not supported: fp16 training needs a gradient "

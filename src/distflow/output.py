@@ -126,7 +126,7 @@ def setup_output(output_dir: str, rank: int, log_level: str = "WARNING") -> logg
     for logger in logging.root.manager.loggerDict.values():  # Hydra's logging config disables existing loggers
         if isinstance(logger, logging.Logger):
             logger.disabled = False
-    LOG.setLevel(logging.INFO)
+    LOG.setLevel(logging.DEBUG)  # the console shows INFO and up; the rank's file keeps everything
     LOG.propagate = True
     logging.captureWarnings(True)
     for name in ("vllm", "torch"):  # loggers that may carry their own handlers: ours only

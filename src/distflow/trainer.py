@@ -1,5 +1,5 @@
 """The RL loop, identical on every rank: rollout (generate -> balance -> score) -> logprobs ->
-advantages -> update -> sync weights -> log -> checkpoint.
+advantages -> update -> sync weights -> log -> checkpoint (or stop, on a signal).
 
 There is no controller. Each rank samples its own prompts, generates all samples of a group
 locally (so group statistics need no communication), and joins the others only through
@@ -11,6 +11,7 @@ Each phase returns what it made; nothing is filled in later.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import random
@@ -25,22 +26,24 @@ from transformers import AutoTokenizer
 from distflow.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, dynamic_sampling_keep
 from distflow.balance import balance_groups
 from distflow.batch import CURRENT_POLICY, OldLogprobs, TokenBatch, UpdateBatch
-from distflow.checkpoint import POLICY, Checkpointer, ModelOptimState, RNGState, resolve_resume
+from distflow.checkpoint import POLICY, Checkpointer, ModelOptimState, RNGState
 from distflow.config import DistflowConfig
 from distflow.critic import Critic
 from distflow.data.prompts import load_prompts
 from distflow.data.sampler import ShardedSampler
 from distflow.devices import resolve_auto
-from distflow.distributed import all_reduce, broadcast_object, init_distributed, shutdown
+from distflow.distributed import all_reduce, barrier, broadcast_object, init_distributed, shutdown
 from distflow.evaluation import evaluate
 from distflow.export import export_live
-from distflow.faults import inject_fault
+from distflow.faults import inject_fault, save_fault
 from distflow.layout import ParallelLayout
 from distflow.metrics import MetricLogger
 from distflow.models import resolve_on_local_rank0_first
 from distflow.output import save_config, setup_output
 from distflow.policy import Policy
+from distflow.preemption import StepBoundary, Stopped, StopSignal, write_stop_file
 from distflow.reporting import UpdateResult, run_summary, step_report, timed
+from distflow.resume import ResumePlan, config_record, plan_resume
 from distflow.rewards.pool import RewardPool
 from distflow.rollout import Sample, build_engine
 from distflow.rollout.weight_sync import full_parameters, max_logprob_diff, warn_if_out_of_sync
@@ -71,7 +74,10 @@ class Trainer:
         # Order matters: process group, then engine (reuses it), then the FSDP models.
         self.dist = init_distributed(t.backend, t.device, t.collective_timeout_s)
         self.cfg = cfg = resolve_auto(cfg, self.dist.device)  # dtype, eager mode, shard degree for the device
+        self.plan = self.plan_resume()  # before anything is written or loaded: may stop the launch
         setup_output(t.output_dir, self.dist.rank, t.log_level)
+        for note in self.plan.warnings:
+            log.warning(note)
         log.info(f"{self.dist.world_size} rank(s) on {self.dist.device.type} ({self.dist.backend}), "
                  f"model dtype {cfg.model.dtype}")
         self.layout = ParallelLayout.from_config(cfg.model, self.dist)
@@ -100,11 +106,15 @@ class Trainer:
         self.critic = Critic(critic_path, cfg.critic, cfg.model, cfg.optim, self.layout) if cfg.critic.enabled else None
         self.estimator = ADVANTAGE_ESTIMATORS[a.advantage]
         self.step, self.history, self.evaluations, self.nonfinite_streak = 0, [], {}, 0
-        self.checkpointer = Checkpointer(t.output_dir, t.keep_last, self.dist.rank, t.checkpoint_every)
+        self.checkpointer = Checkpointer(t.output_dir, t.keep_last, self.dist.rank)
+        self.checkpointer.before_marker = save_fault(t.fault_inject, self.dist.rank)
         self.register_state()
-        resumed = self.resume()
+        self.resume()
         self.logger = MetricLogger(t.output_dir, self.dist.is_main, t.steps, t.progress_bar, loggers=t.loggers,
-                                   run_config=cfg, project=t.wandb_project, history=self.history if resumed else None)
+                                   run_config=cfg, project=t.wandb_project, history=self.history)
+        self.boundary = StepBoundary(t.checkpoint_every, t.checkpoint_every_s, t.checkpoint_at_end)
+        self.stop_signal = StopSignal().install()  # from here on a signal saves and stops at a step boundary
+        self.stopped: Stopped | None = None
 
     # ----------------------------------------------------------------- the loop
     def train(self) -> None:
@@ -123,8 +133,8 @@ class Trainer:
             self.history.append(metrics)
             self.logger.log(metrics)
             self.check_finite_streak()
-            self.checkpointer.maybe_save(self.step, last=self.step == t.steps,
-                                         meta={"model_path": self.model_path, "world_size": self.dist.world_size})
+            if self.end_step():
+                return
         self.finish(time.perf_counter() - start)
 
     def train_step(self) -> dict[str, float]:
@@ -193,6 +203,7 @@ class Trainer:
         # the sampler's position makes seeds unique across rounds and steps
         pos = self.sampler.state_dict()
         seeds = [sample_seed(self.cfg.trainer.seed, pos["epoch"], pos["offset"], self.dist.rank, i) for i in idx]
+        log.debug(f"step {self.step} items (epoch, index): {json.dumps(self.sampler.last_positions)}")
         groups = self.engine.generate([it.prompt_ids for it in items], self.cfg.algorithm.group_size, seeds)
         return Rollouts(self.cfg.algorithm.group_size, items, [s for g in groups for s in g])
 
@@ -231,6 +242,23 @@ class Trainer:
         train_actor = self.critic is None or self.step > self.cfg.critic.warmup_steps
         return optimize(self.policy if train_actor else None, self.critic, batch, self.cfg, self.pad_id)
 
+    def end_step(self) -> bool:
+        """Checkpoint when due (interval, clock, end of run, signal); True when a signal stops the run."""
+        save, halt = self.boundary.decide(self.step, self.step == self.cfg.trainer.steps, self.stop_signal)
+        path = None
+        if save:
+            meta = {"model_path": self.model_path, "world_size": self.dist.world_size, "config": config_record(self.cfg)}
+            path = self.checkpointer.save(self.step, meta)
+            self.boundary.saved()
+        if halt:
+            self.stopped = Stopped(self.step, str(path), self.stop_signal.name or "a signal to another rank")
+            log.warning(f"{self.stopped.signal}: stopped after step {self.step} with checkpoint {path}; "
+                        "relaunch with the same trainer.output_dir to resume")
+            if self.dist.is_main:
+                write_stop_file(self.stopped)
+            barrier()  # no rank exits before the launcher can read where the run stopped
+        return halt
+
     def check_finite_streak(self) -> None:
         """Stop after trainer.max_nonfinite_steps consecutive steps whose update was dropped."""
         if self.nonfinite_streak >= self.cfg.trainer.max_nonfinite_steps:
@@ -265,7 +293,7 @@ class Trainer:
             ck.register("critic", ModelOptimState(self.critic.model, self.critic.optimizer), "sharded")
             ck.register("critic_schedule", self.critic.scheduler, "shared")
         ck.register("sampler", self.sampler, "rank")
-        ck.register("rng", RNGState(self.dist.device), "rank")
+        ck.register("rng", RNGState(self.dist.device, self.cfg.trainer.seed), "rank")
         ck.register("trainer", self, "shared")
 
     def state_dict(self) -> dict:
@@ -276,17 +304,31 @@ class Trainer:
         self.step, self.history = state["step"], state["history"]
         self.evaluations, self.nonfinite_streak = state["evaluations"], state["nonfinite_streak"]
 
-    def resume(self) -> bool:
-        """Restore everything a checkpoint holds, then give the engine the restored weights."""
-        t = self.cfg.trainer
-        found = resolve_resume(t.resume, t.output_dir)
-        path = broadcast_object(str(found) if found else None)  # rank 0's view of the filesystem decides
+    def plan_resume(self) -> ResumePlan:
+        """Rank 0 reads the output folder and decides (distflow.resume); every rank gets the
+        plan, or the same error (a ConfigError, or RunComplete when there is nothing to do)."""
+        outcome: ResumePlan | Exception | None = None
+        if self.dist.is_main:
+            try:
+                outcome = plan_resume(self.cfg, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+            except Exception as e:  # noqa: BLE001 - handed to every rank, raised there
+                outcome = e
+        outcome = broadcast_object(outcome)
+        if isinstance(outcome, Exception):
+            shutdown()
+            raise outcome
+        return outcome
+
+    def resume(self) -> None:
+        """Restore everything the planned checkpoint holds, then give the engine the restored weights."""
+        path = self.plan.checkpoint
         if path is None:
-            return False
+            return
         self.checkpointer.load(Path(path))
         self.sync_weights()
-        log.info(f"resumed from step {self.step} ({path})")
-        return True
+        saved, now = self.plan.saved_world_size, self.dist.world_size
+        resized = f" written by {saved} rank(s), now {now}" if saved != now else ""
+        log.info(f"resumed from step {self.step}{resized} ({path})")
 
     def finish(self, wall_s: float) -> None:
         """End of run: export, then summary.json and plots."""
@@ -297,6 +339,8 @@ class Trainer:
         self.summary_file = self.logger.finish(summary, plots=t.plot_at_end)
 
     def close(self) -> None:
+        if hasattr(self, "stop_signal"):
+            self.stop_signal.uninstall()
         if hasattr(self, "logger"):
             self.logger.close()
         self.scoring_thread.shutdown(wait=True)

@@ -16,7 +16,9 @@ class ShardedSampler:
     takes positions r, r + W, ... of them. So each epoch's items are dealt out across the
     ranks exactly once — also when num_items is not a multiple of W (a rank may then cross
     into the next epoch a step before another). Everything is a pure function of (seed,
-    stream offset, rank, world_size): no communication, and a run resumes exactly.
+    stream offset, rank, world_size): no communication, and a run resumes exactly. The offset
+    is global, so a run resumed on another number of ranks continues the same stream: every
+    item of the epoch is still dealt out once.
     """
 
     def __init__(self, num_items: int, rank: int, world_size: int, seed: int, shuffle: bool = True):
@@ -28,6 +30,7 @@ class ShardedSampler:
         self.seed, self.shuffle = seed, shuffle
         self._offset = 0  # global stream positions consumed (the same on every rank)
         self._cache: tuple[int, list[int]] | None = None  # (epoch, its permutation)
+        self.last_positions: list[tuple[int, int]] = []  # (epoch, item) of the last call, for logs
 
     @property
     def epoch(self) -> int:
@@ -45,8 +48,9 @@ class ShardedSampler:
 
     def next_indices(self, k: int) -> list[int]:
         """This rank's next k item indices (the same call on every rank advances all alike)."""
-        start = self._offset + self.rank
-        out = [self._item(start + j * self.world_size) for j in range(k)]
+        positions = [self._offset + self.rank + j * self.world_size for j in range(k)]
+        out = [self._item(p) for p in positions]
+        self.last_positions = [(p // self.num_items, i) for p, i in zip(positions, out)]
         self._offset += k * self.world_size
         return out
 
@@ -55,8 +59,9 @@ class ShardedSampler:
                 "world_size": self.world_size, "seed": self.seed, "shuffle": self.shuffle}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume at the stream offset; the other keys must match, or positions would mean other items."""
-        for key in ("num_items", "world_size", "seed", "shuffle"):
+        """Resume at the stream offset; the data keys must match, or positions would mean other
+        items. The world size may differ (a resized resume): the offset counts global positions."""
+        for key in ("num_items", "seed", "shuffle"):
             if key in state and state[key] != getattr(self, key):
                 raise ConfigError(f"sampler state has {key}={state[key]!r} but this run has {getattr(self, key)!r}")
         if state["offset"] < 0:
