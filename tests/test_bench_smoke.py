@@ -107,3 +107,9 @@ def test_update_smoke(tmp_path):
         for key in ("backward_s", "optimizer_s", "update_s"):
             assert _positive(rec["median_s"][variant][key]), (variant, key)
     assert _positive(rec["speedup_fused"]) and _positive(rec["speedup_default"])
+
+
+def test_preempt_smoke(tmp_path):
+    rec = run_bench("preempt", tmp_path)["records"][0]
+    assert rec["exit_status"] == 75 and rec["stopped_after_step"] >= 2 and _positive(rec["checkpoint_mb"])
+    assert 0 < rec["signal_to_saved_s"] <= rec["signal_to_exit_s"]

@@ -36,7 +36,7 @@ def test_resume_is_bit_exact(tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
     _run(straight, "trainer.steps=4", "trainer.export_at_end=true")
     _run(split, "trainer.steps=2")
-    proc = _run(split, "trainer.steps=4", "trainer.export_at_end=true")
+    proc = _run(split, "trainer.steps=4", "trainer.export_at_end=true", "trainer.resume=force")  # more steps: asked for
     assert "resumed from step 2" in proc.stdout
     a, b = read_metrics(straight), read_metrics(split)
     assert [r["step"] for r in b] == [1, 2, 3, 4]

@@ -202,8 +202,8 @@ def test_ppo_runs_with_critic_warmup_and_resumes_bit_exact(tmp_path):
     common = ["experiment=smoke", "algorithm=ppo", "rollout=hf", "critic.warmup_steps=1", "critic.lr=1e-3",
               "task.reward=rewards_for_tests:digit_fraction", "trainer.checkpoint_every=2", "trainer.plot_at_end=false"]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    for out, steps in ((straight, 4), (split, 2), (split, 4)):
-        proc = torchrun([*common, f"trainer.output_dir={out}", f"trainer.steps={steps}"])
+    for out, steps in ((straight, 4), (split, 2), (split, 4)):  # force: continue the 2-step run to 4
+        proc = torchrun([*common, f"trainer.output_dir={out}", f"trainer.steps={steps}", "trainer.resume=force"])
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     a, b = read_metrics(straight), read_metrics(split)
     # step 1 trains only the critic; later steps train both

@@ -156,3 +156,34 @@ def test_signals_stop_all_ranks_at_one_step_and_relaunches_resume_on_other_world
     rc, log = Launch(2, out, f"trainer.steps={STEPS + 1}", "trainer.resume=force").finish()
     assert rc == 0 and "trainer.steps: 12 -> 13" in log, log[-3000:]
     assert [r["step"] for r in read_metrics(out)] == list(range(1, STEPS + 2))
+
+
+# ----------------------------------------------------------------------------- the step boundary
+def _decide(rank, world, out_dir):
+    from distflow.preemption import StepBoundary, StopSignal
+
+    flag = StopSignal()
+    boundary = StepBoundary(every_steps=4, every_s=30.0, at_end=False)
+    results = {"quiet": boundary.decide(1, False, flag)}
+    boundary.last_save -= 31.0 * rank  # rank 1's clock says a save is due: every rank saves
+    results["clock"] = boundary.decide(2, False, flag)
+    boundary.saved()
+    results["interval"] = boundary.decide(4, False, flag)
+    if rank == 0:  # a signal seen by rank 0 only
+        flag.install()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGTERM)  # a second one changes nothing
+        flag.uninstall()
+        assert (flag.name, flag.count) == ("SIGUSR1", 2)
+    results["signal"] = boundary.decide(5, False, flag)
+    results["signal_last_step"] = boundary.decide(6, True, flag)
+    Path(out_dir, f"{rank}.json").write_text(json.dumps(results))
+
+
+def test_every_rank_takes_the_same_save_and_stop_decision(tmp_path):
+    from dist_helpers import run_distributed
+
+    run_distributed(_decide, 2, str(tmp_path))
+    a, b = (json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1))
+    assert a == b == {"quiet": [False, False], "clock": [True, False], "interval": [True, False],
+                      "signal": [True, True], "signal_last_step": [False, False]}

@@ -79,8 +79,8 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[s
 
 def plan_resume(cfg: DistflowConfig, restart: int = 0) -> ResumePlan:
     """Rank 0 only: read the folder and decide (ConfigError / RunComplete when it must stop).
-    restart: torchrun's restart count; a restarted attempt continues what this launch wrote,
-    also under trainer.resume=never."""
+    restart: > 0 for a restarted torchrun attempt or a requeued SLURM job, which continues what
+    its launch wrote, also under trainer.resume=never."""
     t = cfg.trainer
     mode = "auto" if t.resume == "never" and restart > 0 else t.resume
     if mode in ("auto", "force"):

@@ -310,7 +310,9 @@ class Trainer:
         outcome: ResumePlan | Exception | None = None
         if self.dist.is_main:
             try:
-                outcome = plan_resume(self.cfg, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+                # a restarted torchrun attempt or a requeued SLURM job continues its launch
+                restart = max(int(os.environ.get(v, "0") or 0) for v in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+                outcome = plan_resume(self.cfg, restart)
             except Exception as e:  # noqa: BLE001 - handed to every rank, raised there
                 outcome = e
         outcome = broadcast_object(outcome)
