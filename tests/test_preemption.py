@@ -132,6 +132,7 @@ def test_signals_stop_all_ranks_at_one_step_and_relaunches_resume_on_other_world
     assert rc == 0, log[-3000:]
     assert f"resumed from step {k2 + 1} (" in log
     assert [r["step"] for r in read_metrics(out)] == list(range(1, STEPS + 1))  # each step once
+    assert not list((out / "checkpoints").glob("*.tmp"))  # the next save cleared the torn one
     steps = _items_by_step(out)
     assert sorted(steps) == list(range(1, STEPS + 1))
     drawn = [pair for s in sorted(steps) for pair in steps[s]]

@@ -173,7 +173,8 @@ class Checkpointer:
         final = self.root / f"step_{step:06d}"
         tmp = self.root / f"step_{step:06d}.tmp"
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            for torn in self.root.glob("step_*.tmp"):  # saves cut short earlier (no save runs beside this one)
+                shutil.rmtree(torn, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
         sharded = self._scope("sharded")
