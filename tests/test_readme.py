@@ -37,7 +37,11 @@ def readme_commands() -> list[str]:
     return commands
 
 
+ENV_PREFIX = re.compile(r"^(?:[A-Z_]+=\S*\s+)*")  # VAR=value ... before the command
+
+
 def kind(command: str) -> str:
+    command = ENV_PREFIX.sub("", command)
     return next((k for k, prefix in KINDS.items() if command.startswith(prefix)), "unknown")
 
 
@@ -124,9 +128,11 @@ def test_readme_gpu_command_composes(command):
 def test_readme_sbatch_command_composes(command, tmp_path):
     from test_launch import _fake_repo, _run_template, _sbatch_lines, _slurm_env
 
-    args = shlex.split(command)[1:]
+    words = shlex.split(command)
+    user_env = dict(w.split("=", 1) for w in words[:words.index("sbatch")])  # MIN_NODES=3 ... sbatch
+    args = words[words.index("sbatch") + 1:]
     template = next(a for a in args if a.endswith(".sbatch"))
-    options = dict(a[2:].split("=", 1) for a in args[:args.index(template)])
+    options = dict((a[2:].split("=", 1) + [""])[:2] for a in args[:args.index(template)])
     defaults = dict(line.split("--", 1)[1].split("=", 1) for line in _sbatch_lines(ROOT / template) if "=" in line)
     nodes, gpus = options.get("nodes", defaults["nodes"]), options.get("gpus-per-node", defaults["gpus-per-node"])
     out = tmp_path / "run"
@@ -135,11 +141,12 @@ def test_readme_sbatch_command_composes(command, tmp_path):
     record = tmp_path / "srun.json"
     env = _slurm_env(tmp_path, FAKE_SRUN_RECORD=str(record), SLURM_JOB_ID="4242", SLURM_NNODES=nodes,
                      SLURM_JOB_NODELIST="gpu[01-99]", SLURM_GPUS_PER_NODE=gpus, FAKE_HOSTNAMES="gpu01",
-                     SLURM_SUBMIT_DIR=str(_fake_repo(tmp_path)))
+                     SLURM_SUBMIT_DIR=str(_fake_repo(tmp_path)), **user_env)
     proc = _run_template("single" if "single" in template else "multi", overrides, env, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     cmd = json.loads(record.read_text())["command"]
-    assert f"--nproc_per_node={gpus}" in cmd and f"--nnodes={nodes}" in cmd
+    nnodes = f"{user_env['MIN_NODES']}:{nodes}" if "MIN_NODES" in user_env else nodes  # elastic
+    assert f"--nproc_per_node={gpus}" in cmd and f"--nnodes={nnodes}" in cmd
     built = cmd[next(i for i, a in enumerate(cmd) if a.endswith("recipes/grpo.py")) + 1:]
     assert built[0] == f"trainer.output_dir={out}"  # resumable: the run directory is the user's
     cfg = _compose_for_cuda(built)

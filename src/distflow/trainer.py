@@ -75,6 +75,10 @@ class Trainer:
         self.dist = init_distributed(t.backend, t.device, t.collective_timeout_s)
         self.cfg = cfg = resolve_auto(cfg, self.dist.device)  # dtype, eager mode, shard degree for the device
         self.plan = self.plan_resume()  # before anything is written or loaded: may stop the launch
+        # From here on SIGTERM/SIGUSR1 only set a flag: the run saves and stops after its next step
+        # (also when the signal comes during start-up, so a requeued job is requeued again).
+        self.stop_signal = StopSignal().install()
+        self.stopped: Stopped | None = None
         setup_output(t.output_dir, self.dist.rank, t.log_level)
         for note in self.plan.warnings:
             log.warning(note)
@@ -113,8 +117,6 @@ class Trainer:
         self.logger = MetricLogger(t.output_dir, self.dist.is_main, t.steps, t.progress_bar, loggers=t.loggers,
                                    run_config=cfg, project=t.wandb_project, history=self.history)
         self.boundary = StepBoundary(t.checkpoint_every, t.checkpoint_every_s, t.checkpoint_at_end)
-        self.stop_signal = StopSignal().install()  # from here on a signal saves and stops at a step boundary
-        self.stopped: Stopped | None = None
 
     # ----------------------------------------------------------------- the loop
     def train(self) -> None:
