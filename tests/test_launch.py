@@ -88,7 +88,8 @@ def _stub_bin(tmp_path) -> Path:
 
 
 def _slurm_env(tmp_path, **extra) -> dict:
-    knobs = ("PYTHON", "NPROC_PER_NODE", "OMP_NUM_THREADS", "MAX_RESTARTS", "MIN_NODES", "GRACE_S", "REQUEUE")
+    knobs = ("PYTHON", "NPROC_PER_NODE", "OMP_NUM_THREADS", "MAX_RESTARTS", "MIN_NODES", "RDZV_CONF", "GRACE_S",
+             "REQUEUE")
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "SRUN_", "MASTER_", "DISTFLOW_")) and k not in knobs}
     env.update(PATH=f"{_stub_bin(tmp_path)}{os.pathsep}{env['PATH']}", SLURM_SUBMIT_DIR=str(ROOT),
@@ -231,6 +232,7 @@ def test_multi_node_template_builds_torchrun_from_the_allocation(tmp_path):
     # torchrun passes SIGUSR1 on to the ranks and gives them time to save
     assert "SIGUSR1" in flags["signals-to-handle"].split(",") and "SIGTERM" in flags["signals-to-handle"].split(",")
     assert flags["shutdown-timeout"] == "150" and "--no-kill" not in opts
+    assert "rdzv-conf" not in flags  # torchrun's own rendezvous settings unless RDZV_CONF is set
     script = cmd.index(str(repo / "recipes" / "grpo.py"))
     assert cmd[script + 1:] == [f"trainer.output_dir={run_dir}", "experiment=smoke", "trainer.steps=7", "rollout=hf"]
     assert rec["env"]["OMP_NUM_THREADS"] == "8" and rec["env"]["SRUN_CPUS_PER_TASK"] == "32"
@@ -432,9 +434,10 @@ def test_a_run_without_a_stop_report_keeps_its_status(tmp_path, which, code):
 def test_min_nodes_makes_the_run_elastic(tmp_path):
     rec = _record(tmp_path, "multi", ["experiment=smoke"], SLURM_JOB_ID="5", SLURM_NNODES="2",
                   SLURM_JOB_NODELIST="fakenode[0-1]", FAKE_HOSTNAMES="fakenode0 fakenode1", MIN_NODES="1",
-                  MAX_RESTARTS="2")
+                  MAX_RESTARTS="2", RDZV_CONF="keep_alive_interval=2,last_call_timeout=3")
     flags = _torchrun_flags(rec["command"])
     assert flags["nnodes"] == "1:2" and flags["max-restarts"] == "2"
+    assert flags["rdzv-conf"] == "keep_alive_interval=2,last_call_timeout=3"
     # one node's torchrun ending must not make srun kill the nodes that carry on
     assert rec["opts"]["--kill-on-bad-exit"] == "0" and "--no-kill" in rec["opts"]
 
