@@ -4,8 +4,11 @@ The stubs stand in for SLURM (and nvidia-smi, which sees no GPU): `scontrol show
 prints the fake node list, and `srun` either records its arguments (fast checks of what the
 template builds from the SLURM_* variables) or runs its command once per fake node,
 concurrently, with SLURM_NODEID/PROCID set and output to the template's per-node --output file
-(%N expanded), killing the rest when one fails, like --kill-on-bad-exit=1. So the test drives
-the template itself, not a copy of it. A stand-in python answers the GPU torch check.
+(%N expanded), killing the rest when one fails under --kill-on-bad-exit=1 and waiting for all
+of them under --kill-on-bad-exit=0. Like srun, it exits with the highest status of its tasks, a
+task killed by signal N counting as 128+N, so a job that lost a node fails even when the other
+nodes finish. So the test drives the template itself, not a copy of it. A stand-in python
+answers the GPU torch check.
 """
 
 import json
@@ -58,7 +61,7 @@ while any(p.poll() is None for p in procs):
             if p.poll() is None:
                 p.terminate()
     time.sleep(0.2)
-sys.exit(next((abs(p.returncode) for p in procs if p.returncode), 0))
+sys.exit(max(p.returncode if p.returncode >= 0 else 128 - p.returncode for p in procs))
 '''
 
 SCONTROL_STUB = r'''#!/usr/bin/env bash
