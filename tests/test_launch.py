@@ -4,8 +4,11 @@ The stubs stand in for SLURM (and nvidia-smi, which sees no GPU): `scontrol show
 prints the fake node list, and `srun` either records its arguments (fast checks of what the
 template builds from the SLURM_* variables) or runs its command once per fake node,
 concurrently, with SLURM_NODEID/PROCID set and output to the template's per-node --output file
-(%N expanded), killing the rest when one fails, like --kill-on-bad-exit=1. So the test drives
-the template itself, not a copy of it. A stand-in python answers the GPU torch check.
+(%N expanded), killing the rest when one fails under --kill-on-bad-exit=1 and waiting for all
+of them under --kill-on-bad-exit=0. Like srun, it exits with the highest status of its tasks, a
+task killed by signal N counting as 128+N, so a job that lost a node fails even when the other
+nodes finish. So the test drives the template itself, not a copy of it. A stand-in python
+answers the GPU torch check.
 """
 
 import json
@@ -58,7 +61,7 @@ while any(p.poll() is None for p in procs):
             if p.poll() is None:
                 p.terminate()
     time.sleep(0.2)
-sys.exit(next((abs(p.returncode) for p in procs if p.returncode), 0))
+sys.exit(max(p.returncode if p.returncode >= 0 else 128 - p.returncode for p in procs))
 '''
 
 SCONTROL_STUB = r'''#!/usr/bin/env bash
@@ -88,7 +91,8 @@ def _stub_bin(tmp_path) -> Path:
 
 
 def _slurm_env(tmp_path, **extra) -> dict:
-    knobs = ("PYTHON", "NPROC_PER_NODE", "OMP_NUM_THREADS", "MAX_RESTARTS", "MIN_NODES", "GRACE_S", "REQUEUE")
+    knobs = ("PYTHON", "NPROC_PER_NODE", "OMP_NUM_THREADS", "MAX_RESTARTS", "MIN_NODES", "RDZV_CONF", "GRACE_S",
+             "REQUEUE")
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "SRUN_", "MASTER_", "DISTFLOW_")) and k not in knobs}
     env.update(PATH=f"{_stub_bin(tmp_path)}{os.pathsep}{env['PATH']}", SLURM_SUBMIT_DIR=str(ROOT),
@@ -231,6 +235,7 @@ def test_multi_node_template_builds_torchrun_from_the_allocation(tmp_path):
     # torchrun passes SIGUSR1 on to the ranks and gives them time to save
     assert "SIGUSR1" in flags["signals-to-handle"].split(",") and "SIGTERM" in flags["signals-to-handle"].split(",")
     assert flags["shutdown-timeout"] == "150" and "--no-kill" not in opts
+    assert "rdzv-conf" not in flags  # torchrun's own rendezvous settings unless RDZV_CONF is set
     script = cmd.index(str(repo / "recipes" / "grpo.py"))
     assert cmd[script + 1:] == [f"trainer.output_dir={run_dir}", "experiment=smoke", "trainer.steps=7", "rollout=hf"]
     assert rec["env"]["OMP_NUM_THREADS"] == "8" and rec["env"]["SRUN_CPUS_PER_TASK"] == "32"
@@ -432,9 +437,10 @@ def test_a_run_without_a_stop_report_keeps_its_status(tmp_path, which, code):
 def test_min_nodes_makes_the_run_elastic(tmp_path):
     rec = _record(tmp_path, "multi", ["experiment=smoke"], SLURM_JOB_ID="5", SLURM_NNODES="2",
                   SLURM_JOB_NODELIST="fakenode[0-1]", FAKE_HOSTNAMES="fakenode0 fakenode1", MIN_NODES="1",
-                  MAX_RESTARTS="2")
+                  MAX_RESTARTS="2", RDZV_CONF="keep_alive_interval=2,last_call_timeout=3")
     flags = _torchrun_flags(rec["command"])
     assert flags["nnodes"] == "1:2" and flags["max-restarts"] == "2"
+    assert flags["rdzv-conf"] == "keep_alive_interval=2,last_call_timeout=3"
     # one node's torchrun ending must not make srun kill the nodes that carry on
     assert rec["opts"]["--kill-on-bad-exit"] == "0" and "--no-kill" in rec["opts"]
 
@@ -515,21 +521,152 @@ def test_local_sh_passes_shellcheck():
 
 
 # ----------------------------------------------------------------------------- real run
+# Much shorter keep-alives than these (a 2 s expiry) let a node still loading its model be
+# declared dead by the other, which then starts a run of its own.
+ELASTIC_RDZV_CONF = "keep_alive_interval=2,keep_alive_max_attempt=3,last_call_timeout=3,join_timeout=120"
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            found += map(int, open(f"/proc/{pid}/task/{task}/children").read().split())
+        except OSError:
+            pass
+    return found
+
+
+def _descendants(pid: int) -> list[int]:
+    return [d for child in _children(pid) for d in (child, *_descendants(child))]
+
+
+def _node_agents(template_pid: int) -> dict[int, int]:
+    """{SLURM_NODEID: pid} of the torchrun agents the stub srun started under the batch shell."""
+    agents = {}
+    for srun in _children(template_pid):
+        try:
+            if not open(f"/proc/{srun}/cmdline").read().split("\0")[1].endswith("/srun"):
+                continue
+        except (OSError, IndexError):
+            continue
+        for agent in _children(srun):
+            try:
+                env = open(f"/proc/{agent}/environ", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            node = next(v.split(b"=", 1)[1] for v in env if v.startswith(b"SLURM_NODEID="))
+            agents[int(node)] = agent
+    return agents
+
+
+def _listens_on(pid: int, port: int) -> bool:
+    """Whether `pid` holds the listening socket of `port` (the c10d store's host)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # LISTEN
+                    inodes.add(f"socket:[{fields[9]}]")
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                return True
+        except OSError:
+            pass
+    return False
+
+
+def _kill_node(agent: int, template_group: int) -> None:
+    """SIGKILL a node: its torchrun agent, then its worker's process group (torchrun starts each
+    worker in a session of its own). The agent shares the batch shell's group: killed alone."""
+    below = _descendants(agent)
+    groups = set()
+    for pid in below:
+        try:
+            groups.add(os.getpgid(pid))
+        except ProcessLookupError:
+            pass
+    os.kill(agent, signal.SIGKILL)
+    for group in groups - {template_group}:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for pid in below:  # anything left in the batch shell's group
+        try:
+            if os.getpgid(pid) == template_group:
+                os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _metric_steps(out: Path) -> list[int]:
+    try:
+        return [r["step"] for r in read_metrics(out)]
+    except (FileNotFoundError, json.JSONDecodeError):  # not written yet, or a line half-written
+        return []
+
+
 @pytest.mark.slow
-def test_multi_node_template_trains_on_two_fake_nodes(tmp_path):
-    """Two torchrun agents (1 rank each) meet in the template's c10d rendezvous and train 3 steps."""
+def test_multi_node_template_trains_on_and_survives_losing_a_fake_node(tmp_path):
+    """Two torchrun agents (1 rank each) meet in the template's c10d rendezvous, elastic
+    (MIN_NODES=1, MAX_RESTARTS=3). After step 2 the node that does not host the c10d store is
+    SIGKILLed (losing the host ends the run); the other restarts its worker alone, resumes from
+    the last checkpoint on world size 1 and finishes. srun fails, as a task was killed; the job
+    says the run finished on the node left."""
     job_id = str(100000 + os.getpid() % 100000)
-    out = tmp_path / "run"
+    out, port, steps = tmp_path / "run", free_port(), 6
     env = _slurm_env(tmp_path, SLURM_JOB_ID=job_id, SLURM_NNODES="2", SLURM_JOB_NODELIST="fakenode[0-1]",
-                     NPROC_PER_NODE="1", FAKE_HOSTNAMES="127.0.0.1 127.0.0.2", MASTER_PORT=str(free_port()),
-                     PYTHON=sys.executable, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    proc = _run_template("multi", ["experiment=smoke", "rollout=hf", f"trainer.output_dir={out}"], env, timeout=600)
-    logs = {p.name: p.read_text() for p in (out / "logs").glob("*.log")} if (out / "logs").is_dir() else {}
-    detail = proc.stdout[-2000:] + proc.stderr[-2000:] + "".join(f"\n--- {k}\n{v[-4000:]}" for k, v in logs.items())
-    assert proc.returncode == 0, detail
+                     NPROC_PER_NODE="1", FAKE_HOSTNAMES="127.0.0.1 127.0.0.2", MASTER_PORT=str(port),
+                     PYTHON=sys.executable, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", MIN_NODES="1",
+                     MAX_RESTARTS="3", RDZV_CONF=ELASTIC_RDZV_CONF,
+                     PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    args = ["experiment=smoke", "rollout=hf", f"trainer.output_dir={out}", f"trainer.steps={steps}",
+            "trainer.checkpoint_every=1", "task.reward=rewards_for_tests:digit_fraction"]
+    proc = _start(TEMPLATES["multi"], args, env)
+
+    def node_logs() -> dict[str, str]:
+        return {p.name: p.read_text() for p in (out / "logs").glob("*.log")} if (out / "logs").is_dir() else {}
+
+    def detail(stdout="", stderr="") -> str:
+        return stdout[-2000:] + stderr[-2000:] + "".join(f"\n--- {k}\n{v[-4000:]}" for k, v in node_logs().items())
+
+    try:
+        deadline = time.monotonic() + 300
+        while 2 not in _metric_steps(out):
+            assert proc.poll() is None and time.monotonic() < deadline, f"no step 2 (rc {proc.poll()}):" + detail()
+            time.sleep(0.5)
+        assert (out / "logs" / "rank_1.log").is_file()  # both nodes are in the run, one rank each
+        agents = _node_agents(proc.pid)
+        host = [node for node, pid in agents.items() if _listens_on(pid, port)]
+        assert sorted(agents) == [0, 1] and len(host) == 1, (agents, host)
+        survivor, victim = host[0], 1 - host[0]
+        _kill_node(agents[victim], os.getpgid(proc.pid))
+        result = _finish(proc, timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    info = detail(result.stdout, result.stderr)
+    # srun reports the killed task (128 + SIGKILL); the job says the run still finished
+    assert result.returncode == 128 + signal.SIGKILL, info
+    assert f"the run finished on the nodes left: {out}/summary.json" in result.stdout, info
+    logs = node_logs()
     # one log per node from srun's --output, beside each rank's own rank_<r>.log
-    assert sorted(logs) == [f"{job_id}-fakenode0.log", f"{job_id}-fakenode1.log", "rank_0.log", "rank_1.log"], detail
+    assert sorted(logs) == [f"{job_id}-fakenode0.log", f"{job_id}-fakenode1.log", "rank_0.log", "rank_1.log"], info
+    survived = logs[f"{job_id}-fakenode{survivor}.log"]
+    assert "resumed from step" in survived and "written by 2 rank(s), now 1" in survived, info
+    assert f"summary: {out}/summary.json" in survived, info
+    assert json.loads((out / "summary.json").read_text())["world_size"] == 1
     rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [1, 2, 3], detail
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)), info
     assert all(r["timing/step_s"] > 0 for r in rows)
     assert (out / ".hydra" / "config.yaml").is_file()
