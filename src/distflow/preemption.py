@@ -30,7 +30,7 @@ STOP_FILE_ENV = "DISTFLOW_STOP_FILE"  # rank 0 writes {"step", "checkpoint", "si
 @dataclasses.dataclass(frozen=True)
 class Stopped:
     step: int
-    checkpoint: str
+    checkpoint: str | None  # None: stopped before the first save of a fresh run
     signal: str
 
 
@@ -74,6 +74,10 @@ class StepBoundary:
         save = (halt or (last and self.at_end) or (self.every_steps > 0 and step % self.every_steps == 0)
                 or (self.every_s > 0 and float(elapsed) >= self.every_s))
         return save, halt
+
+    def signalled(self, stop: StopSignal) -> bool:
+        """Whether any rank has received a stop signal (collective)."""
+        return bool(all_reduce(float(stop.name is not None), "max"))
 
     def saved(self) -> None:
         self.last_save = time.monotonic()

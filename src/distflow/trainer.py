@@ -122,6 +122,8 @@ class Trainer:
     def train(self) -> None:
         t = self.cfg.trainer
         start = time.perf_counter()
+        if self.stop_at_start():
+            return
         if t.val_before_train and self.step == 0:
             self.evaluations["before"] = self.validate()
         while self.step < t.steps:
@@ -250,16 +252,28 @@ class Trainer:
         path = None
         if save:
             meta = {"model_path": self.model_path, "world_size": self.dist.world_size, "config": config_record(self.cfg)}
-            path = self.checkpointer.save(self.step, meta)
+            path = str(self.checkpointer.save(self.step, meta))
             self.boundary.saved()
         if halt:
-            self.stopped = Stopped(self.step, str(path), self.stop_signal.name or "a signal to another rank")
-            log.warning(f"{self.stopped.signal}: stopped after step {self.step} with checkpoint {path}; "
-                        "relaunch with the same trainer.output_dir to resume")
-            if self.dist.is_main:
-                write_stop_file(self.stopped)
-            barrier()  # no rank exits before the launcher can read where the run stopped
+            self.report_stop(path)
         return halt
+
+    def stop_at_start(self) -> bool:
+        """A signal during start-up stops before any step: nothing new to save since the checkpoint
+        this launch resumed from (if any)."""
+        if not self.boundary.signalled(self.stop_signal):
+            return False
+        self.report_stop(self.plan.checkpoint)
+        return True
+
+    def report_stop(self, checkpoint: str | None) -> None:
+        self.stopped = Stopped(self.step, checkpoint, self.stop_signal.name or "a signal to another rank")
+        where = f"with checkpoint {checkpoint}" if checkpoint else "with no checkpoint (nothing trained yet)"
+        log.warning(f"{self.stopped.signal}: stopped after step {self.step} {where}; "
+                    "relaunch with the same trainer.output_dir to resume")
+        if self.dist.is_main:
+            write_stop_file(self.stopped)
+        barrier()  # no rank exits before the launcher can read where the run stopped
 
     def check_finite_streak(self) -> None:
         """Stop after trainer.max_nonfinite_steps consecutive steps whose update was dropped."""

@@ -81,15 +81,12 @@ def _worker_main(fd: int, specs: list[str]) -> None:
         if callable(getattr(fn, "prepare", None)):
             fn.prepare()
     conn.send("ready")
-    while True:
-        try:
-            batch = conn.recv()
-        except EOFError:  # the parent closed us
-            return
-        if batch is None:
-            return
-        for uid, comp, args in batch:
-            conn.send((uid, *_call(fns[comp], args)))
+    try:
+        while (batch := conn.recv()) is not None:
+            for uid, comp, args in batch:
+                conn.send((uid, *_call(fns[comp], args)))
+    except (EOFError, OSError):  # the parent closed us, or died: nothing to report to
+        return
 
 
 # The worker's command line: fd, specs as JSON, then this process's sys.path entries.
