@@ -75,15 +75,8 @@ class RNGState(Stateful):
         self.device, self.seed = torch.device(device), seed
 
     def state_dict(self) -> dict[str, Any]:
-        np_state = np.random.get_state()
-        state = {
-            "torch": torch.get_rng_state().tolist(),
-            "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
-            "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-        }
-        if self.device.type == "cuda":
-            state["cuda"] = torch.cuda.get_rng_state(self.device).tolist()
-        return state
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return _rng_json(torch.get_rng_state(), random.getstate(), np.random.get_state(), cuda)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
@@ -99,18 +92,20 @@ class RNGState(Stateful):
         a resized resume is reproducible. Another rank's streams are never copied (two ranks
         would draw the same numbers)."""
         derived = (self.seed * 1_000_003 + step) * 1_009 + rank
-        saved = (torch.get_rng_state(), random.getstate(), np.random.get_state())
-        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        torch.manual_seed(derived)
-        random.seed(derived)
-        np.random.seed(derived % 2**32)
-        state = self.state_dict()
-        torch.set_rng_state(saved[0])
-        random.setstate(saved[1])
-        np.random.set_state(saved[2])
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, self.device)
-        return state
+        cuda = torch.Generator(self.device).manual_seed(derived).get_state() if self.device.type == "cuda" else None
+        return _rng_json(torch.Generator().manual_seed(derived).get_state(), random.Random(derived).getstate(),
+                         np.random.RandomState(derived % 2**32).get_state(), cuda)
+
+
+def _rng_json(torch_state: torch.Tensor, python_state: tuple, numpy_state: tuple,
+              cuda_state: torch.Tensor | None) -> dict[str, Any]:
+    """RNG states as the JSON data rank_<r>.json holds."""
+    name, keys, pos, has_gauss, cached = numpy_state
+    state = {"torch": torch_state.tolist(), "python": [python_state[0], list(python_state[1]), python_state[2]],
+             "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+    if cuda_state is not None:
+        state["cuda"] = cuda_state.tolist()
+    return state
 
 
 def _step_of(path: Path) -> int | None:
