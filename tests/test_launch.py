@@ -181,7 +181,9 @@ def test_sbatch_header(which):
 
 @pytest.mark.parametrize("which", TEMPLATES)
 def test_no_hard_coded_counts_or_ids(which):
-    code = "\n".join(_code_lines(TEMPLATES[which]))
+    # the single-node template hands its job to the multi-node one: check the code that runs
+    sources = [TEMPLATES[which]] + ([TEMPLATES["multi"]] if which == "single" else [])
+    code = "\n".join(line for path in sources for line in _code_lines(path))
     for flag in ("nnodes", "nproc_per_node", "nproc-per-node", "node_rank", "node-rank", "rdzv_id", "rdzv-id",
                  "nodes", "ntasks", "master_port", "master_addr"):
         assert not re.search(rf"--{flag}=['\"]?\d", code), flag
@@ -211,6 +213,8 @@ def _fake_repo(tmp_path) -> Path:
     repo = tmp_path / "repo"
     (repo / "recipes").mkdir(parents=True)
     (repo / "recipes" / "grpo.py").write_text("")
+    (repo / "launch" / "slurm").mkdir(parents=True)
+    (repo / "launch" / "slurm" / "multi_node.sbatch").symlink_to(TEMPLATES["multi"])
     _fake_python(repo / ".venv-gpu" / "bin" / "python")
     return repo
 
@@ -277,6 +281,8 @@ def test_gpu_allocation_without_the_gpu_venv_fails_clearly(tmp_path):
     repo = tmp_path / "repo"
     (repo / "recipes").mkdir(parents=True)
     (repo / "recipes" / "grpo.py").write_text("")
+    (repo / "launch" / "slurm").mkdir(parents=True)
+    (repo / "launch" / "slurm" / "multi_node.sbatch").symlink_to(TEMPLATES["multi"])
     env = _slurm_env(tmp_path, FAKE_SRUN_RECORD=str(tmp_path / "srun.json"), SLURM_JOB_ID="7", SLURM_NNODES="1",
                      SLURM_JOB_NODELIST="gpu01", SLURM_GPUS_ON_NODE="1", FAKE_HOSTNAMES="gpu01", SLURM_SUBMIT_DIR=str(repo))
     proc = _run_template("single", ["experiment=smoke"], env, timeout=60)
