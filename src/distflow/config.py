@@ -30,6 +30,9 @@ class ModelConfig:
     # (HSDP). -1 = all ranks (plain FSDP); 1 = full replicas, gradients all-reduced (DDP-like).
     # null = -1 for a model you name, 1 for the built-in small models (distflow.devices).
     shard_ranks: Optional[int] = None
+    # Build the policy, reference and critic on the meta device and fill their shards from one
+    # copy read by global rank 0 (distflow.model_init); false = every rank reads the full model.
+    meta_device_init: bool = True
 
 
 @dataclass

@@ -8,12 +8,14 @@ ranks by FSDP; the loss code compensates with a global normaliser (see algorithm
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Callable
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from distflow.algorithms.kl import entropy_from_logits
 from distflow.batch import TokenBatch
@@ -21,6 +23,7 @@ from distflow.config import ModelConfig, OptimConfig
 from distflow.devices import torch_dtype
 from distflow.distributed import all_reduce
 from distflow.layout import ParallelLayout
+from distflow.model_init import is_meta, materialize, skeleton
 
 
 def _decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -47,10 +50,14 @@ def response_window_index(batch: TokenBatch) -> torch.Tensor:
 
 class ShardedModel:
     """An HF model sharded with FSDP2 (each decoder block, then the root), its AdamW optimizer
-    and linear-warm-up LR schedule. trainable=False freezes it and builds no optimizer."""
+    and linear-warm-up LR schedule. trainable=False freezes it and builds no optimizer.
+
+    `model` is either the loaded model or a meta-device skeleton (distflow.model_init); a skeleton
+    is allocated after sharding and filled with `load_full()`, which only global rank 0 calls."""
 
     def __init__(self, model: torch.nn.Module, model_cfg: ModelConfig, optim: OptimConfig, layout: ParallelLayout,
-                 trainable: bool = True, lr: float | None = None, warmup_steps: int | None = None):
+                 trainable: bool = True, lr: float | None = None, warmup_steps: int | None = None,
+                 load_full: Callable[[], torch.nn.Module] | None = None):
         self.device = device = layout.device
         model.config.use_cache = False
         mesh = layout.fsdp_mesh
@@ -59,7 +66,7 @@ class ShardedModel:
         for block in _decoder_blocks(model):
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
-        self.model = model.to(device)
+        self.model = materialize(model, device, load_full) if is_meta(model) else model.to(device)
         self.model.train()
         if not trainable:
             self.model.requires_grad_(False)
@@ -120,10 +127,15 @@ class Policy(ShardedModel):
     def __init__(self, model_path: str, model_cfg: ModelConfig, optim: OptimConfig, layout: ParallelLayout,
                  trainable: bool = True):
         # fp32 master weights always; bf16/fp16 only as FSDP's compute dtype.
-        model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=torch.float32, trust_remote_code=model_cfg.trust_remote_code
-        )
-        super().__init__(model, model_cfg, optim, layout, trainable)
+        remote = model_cfg.trust_remote_code
+        load = functools.partial(AutoModelForCausalLM.from_pretrained, model_path, dtype=torch.float32,
+                                 trust_remote_code=remote)
+        if model_cfg.meta_device_init:  # rank 0 calls `load` once the skeleton is sharded
+            config = AutoConfig.from_pretrained(model_path, trust_remote_code=remote)
+            model = skeleton(AutoModelForCausalLM, config, remote)
+        else:
+            model = load()
+        super().__init__(model, model_cfg, optim, layout, trainable, load_full=load)
 
     def logprobs(self, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
         """log p(response token | prefix) at `temperature`, shape [B, R] (0 beyond each response)."""

@@ -30,7 +30,7 @@ from distflow.config import ConfigError, DistflowConfig
 # Keys that do not change what a run computes (or only by float rounding): where it runs, how it
 # logs, how often it saves. Everything else in the config names the run.
 OPERATIONAL_KEYS = frozenset({
-    "model.dtype", "model.shard_ranks", "model.trust_remote_code",
+    "model.dtype", "model.shard_ranks", "model.trust_remote_code", "model.meta_device_init",
     "rollout.engine", "rollout.kv_cache_gib", "rollout.gpu_memory_utilization", "rollout.enforce_eager",
     "rollout.sleep_during_update", "rollout.sync_bucket_mib",
     "optim.micro_batch_size", "optim.micro_batch_tokens",
