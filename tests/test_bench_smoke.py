@@ -113,3 +113,14 @@ def test_preempt_smoke(tmp_path):
     rec = run_bench("preempt", tmp_path)["records"][0]
     assert rec["exit_status"] == 75 and rec["stopped_after_step"] >= 2 and _positive(rec["checkpoint_mb"])
     assert 0 < rec["signal_to_saved_s"] <= rec["signal_to_exit_s"]
+
+
+def test_startup_smoke(tmp_path):
+    out = run_bench("startup", tmp_path)
+    assert [(r["shard_ranks"], r["meta_device_init"]) for r in out["records"]] == [(-1, False), (-1, True)]
+    for rec in out["records"]:
+        assert rec["processes"] == 2 and len(rec["ranks"]) == 2
+        for stages in rec["ranks"]:
+            assert list(stages) == ["policy", "reference", "critic"]
+            for s in stages.values():
+                assert _positive(s["before_mib"]) and s["peak_mib"] >= s["before_mib"] and _positive(s["seconds"])
