@@ -73,9 +73,12 @@ def materialize(model: torch.nn.Module, device: torch.device,
     set_model_state_dict(model, full_sd,
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False))
     del full, full_sd
+    # Matched by order, not name: a wrapper (activation checkpointing) adds a level to the names
+    # but keeps the module order.
     mine = _non_persistent_buffers(model)
-    if [(n, tuple(b.shape)) for n, b in mine] != [(n, tuple(b.shape)) for n, b in header["buffers"]]:
-        raise RuntimeError("the model's non-persistent buffers differ from those rank 0 loaded")
+    if [tuple(b.shape) for _, b in mine] != [tuple(b.shape) for _, b in header["buffers"]]:
+        raise RuntimeError(f"the model's non-persistent buffers {[n for n, _ in mine]} differ from those rank 0 "
+                           f"loaded {[n for n, _ in header['buffers']]}")
     with torch.no_grad():
         for (_, buf), (_, value) in zip(mine, header["buffers"]):
             buf.copy_(value)
@@ -84,10 +87,13 @@ def materialize(model: torch.nn.Module, device: torch.device,
 
 
 def _check_keys(model: torch.nn.Module, sent: list[str]) -> None:
-    """Every state-dict entry of the skeleton is either sent by rank 0 or an alias of a tied
-    weight that is (strict=False lets the alias through; this keeps the check strict)."""
-    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
-    expected = set(model.state_dict()) - aliases
+    """Rank 0 sent exactly the skeleton's state-dict keys, each tied weight under its first name
+    only (strict=False lets the later names through; this keeps the check strict)."""
+    seen, expected = set(), set()
+    for key, value in model.state_dict(keep_vars=True).items():  # the parameters themselves
+        if id(value) not in seen:
+            seen.add(id(value))
+            expected.add(key)
     if set(sent) != expected:
         missing, extra = sorted(expected - set(sent)), sorted(set(sent) - expected)
         raise RuntimeError(f"rank 0's weights do not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
