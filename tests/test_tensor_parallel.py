@@ -135,3 +135,29 @@ def test_builtin_head_counts_match_their_configs(tiny_model_dir):
     c = AutoConfig.from_pretrained(tiny_model_dir)
     assert attention_heads("tiny") == attention_heads(tiny_model_dir) == (c.num_attention_heads, c.num_key_value_heads)
     assert attention_heads("/no/such/folder") is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("_", [pytest.param(None, marks=needs_vllm)])
+def test_smoke_run_and_resume_with_a_tensor_parallel_engine(tmp_path, _):
+    """Two ranks, one engine: the resync probe holds every step, validation runs with a rank that
+    has no held-out item, and a run resumed from step 2 continues bit-exactly (metrics, weights)."""
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text('{"prompt": "What is 2 + 3?", "answer": "5"}\n')  # one item: rank 1 asks for none
+    base = ["experiment=smoke", "rollout.tensor_parallel_size=2", "task.reward=rewards_for_tests:digit_fraction",
+            "trainer.steps=4", "trainer.checkpoint_every=2", "trainer.export_at_end=true", "trainer.val_at_end=true",
+            "trainer.val_pass_k=2", f"task.heldout_path={heldout}", "trainer.progress_bar=false",
+            "trainer.plot_at_end=false"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for out, extra in ((straight, []), (resumed, [f"trainer.resume={straight / 'checkpoints' / 'step_000002'}"])):
+        proc = torchrun([*base, f"trainer.output_dir={out}", *extra], timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "resumed from step 2" in proc.stdout
+    a, b = read_metrics(straight), read_metrics(resumed)
+    assert [r["step"] for r in a] == [1, 2, 3, 4] and [r["step"] for r in b][-2:] == [3, 4]
+    assert all(0 <= r["sync/max_abs_logprob_diff"] <= 1e-5 for r in a + b), [r["sync/max_abs_logprob_diff"] for r in a + b]
+    assert a[-1]["val/items"] == 1 and a[-1]["val/k"] == 2
+    stable = [{k: v for k, v in r.items() if not k.startswith(("timing/", "throughput/"))} for r in a[2:] + b[-2:]]
+    assert stable[:2] == stable[2:]
+    wa, wb = (load_file(out / "hf_model" / "model.safetensors") for out in (straight, resumed))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
