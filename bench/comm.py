@@ -13,8 +13,14 @@ functional collectives) and then runs recipes/grpo.py unchanged. Reported per ra
   fsdp_sync_bytes  FSDP2's all-gathers/reduce-scatters + DTensor gathers of the weight sync
                    (and clip_grad_norm_'s scalar reduce), reported separately
 
-    .venv/bin/python bench/comm.py                 # world sizes 1,2,4 (+8 if memory allows)
-    .venv/bin/python bench/comm.py --world-sizes 1,2,4,8
+  vllm_other_bytes vLLM's own collectives (a tensor-parallel engine's all-reduces) and the rest
+
+With `--tp 1,2` each world size also runs with rollout.tensor_parallel_size=2 (sizes it divides):
+the ranks of an engine group all-gather their requests before each engine call (distflow's code,
+so counted in distflow_bytes), and what a rank sends must stay flat in the world size there too.
+
+    .venv/bin/python bench/comm.py                 # world sizes 1,2,4 (+8 if memory allows), k = 1, 2
+    .venv/bin/python bench/comm.py --world-sizes 1,2,4,8 --tp 1
     .venv/bin/python bench/comm.py --smoke --results-dir /tmp/r
 """
 
@@ -74,7 +80,9 @@ def main() -> None:
     p = C.parser(__doc__.split("\n")[0])
     p.add_argument("--world-sizes", default=None, help="comma list (default 1,2,4 plus 8 if memory allows; --smoke: 1,2)")
     p.add_argument("--steps", type=int, default=None, help="training steps per run (default 3; --smoke: 2)")
+    p.add_argument("--tp", default=None, help="comma list of rollout.tensor_parallel_size (default 1,2; --smoke: 1)")
     args = p.parse_args()
+    tps = [int(k) for k in (args.tp or ("1" if args.smoke else "1,2")).split(",")]
     if args.world_sizes:
         sizes = [int(w) for w in args.world_sizes.split(",")]
     elif args.smoke:
@@ -88,46 +96,54 @@ def main() -> None:
     steps = args.steps or (2 if args.smoke else 3)
     wd = C.work_dir(args, "comm")
     results = {}
-    for model in C.models(args)[:1]:  # the smoke experiment's model (tiny); bytes do not depend on the model
+    model = C.models(args)[0]  # the smoke experiment's model (tiny); bytes do not depend on the model
+    for k in tps:
         records, rows = [], []
-        for w in sizes:
-            out, run_dir = wd / f"{model}-w{w}", wd / f"run-{model}-w{w}"
+        for w in [w for w in sizes if w % k == 0]:
+            tag = f"{model}-w{w}" + (f"-tp{k}" if k > 1 else "")
+            out, run_dir = wd / tag, wd / f"run-{tag}"
             C.fresh(out, run_dir)
-            print(f"[comm] world size {w}", flush=True)
+            print(f"[comm] world size {w}, tensor_parallel_size {k}", flush=True)
             overrides = ["experiment=smoke", f"model={model}", f"trainer.steps={steps}",
-                         f"trainer.output_dir={run_dir}", "trainer.resume=never",
+                         f"trainer.output_dir={run_dir}", "trainer.resume=never", f"rollout.tensor_parallel_size={k}",
                          "trainer.plot_at_end=false", "trainer.progress_bar=false"]
-            C.torchrun(C.BENCH / "comm_entry.py", overrides, w, wd / f"{model}-w{w}.log",
+            C.torchrun(C.BENCH / "comm_entry.py", overrides, w, wd / f"{tag}.log",
                        extra_env={"DISTFLOW_COMM_OUT": str(out)})
             ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(w)]
             step_ids = list(range(1, ranks[0]["steps"] + 1))
-            rec = {"world_size": w, "steps": len(step_ids)}
+            rec = {"world_size": w, "tensor_parallel_size": k, "steps": len(step_ids)}
             for key, fn in (("distflow_bytes", distflow_bytes), ("distflow_calls", distflow_calls),
                             ("helper_bytes", helper_bytes), ("helper_calls", helper_calls),
                             ("fsdp_sync_bytes", fsdp_sync_bytes), ("vllm_other_bytes", other_bytes)):
                 rec[f"{key}_per_rank_per_step"] = max(per_step(r, step_ids, fn) for r in ranks)
             rec["rank0_phases"] = ranks[0]["phases"]
             records.append(rec)
-            rows.append([w, rec["distflow_bytes_per_rank_per_step"], rec["distflow_calls_per_rank_per_step"],
-                         rec["helper_bytes_per_rank_per_step"], rec["fsdp_sync_bytes_per_rank_per_step"]])
-        print(C.table(["world", "distflow B/rank/step", "calls/step", "helper payload B", "fsdp+sync B"], rows))
+            rows.append([w, k, rec["distflow_bytes_per_rank_per_step"], rec["distflow_calls_per_rank_per_step"],
+                         rec["helper_bytes_per_rank_per_step"], rec["fsdp_sync_bytes_per_rank_per_step"],
+                         rec["vllm_other_bytes_per_rank_per_step"]])
+        print(C.table(["world", "k", "distflow B/rank/step", "calls/step", "helper payload B", "fsdp+sync B",
+                       "vllm+other B"], rows))
         multi = [r["distflow_bytes_per_rank_per_step"] for r in records if r["world_size"] > 1]
         helper = [r["helper_bytes_per_rank_per_step"] for r in records]
-        results[model] = {
+        results[k] = {
             "bytes_per_rank_per_step": {str(r["world_size"]): r["distflow_bytes_per_rank_per_step"] for r in records},
             "helper_payload_bytes_per_rank_per_step": {str(r["world_size"]): r["helper_bytes_per_rank_per_step"]
                                                        for r in records},
             "fsdp_sync_bytes_per_rank_per_step": {str(r["world_size"]): r["fsdp_sync_bytes_per_rank_per_step"]
                                                   for r in records},
+            "vllm_other_bytes_per_rank_per_step": {str(r["world_size"]): r["vllm_other_bytes_per_rank_per_step"]
+                                                   for r in records},
             # flat: the helpers' payload is within +-10% of world size 1's at every size, and the
             # bytes actually sent (0 at world size 1, where nothing is sent) are within +-10% across sizes > 1
             "flat": flat(helper) and (not multi or flat(multi)),
             "records": records,
         }
-    model = next(iter(results))
+    # k = 1 at the top level (as before); other k under "tensor_parallel", keyed by k
+    top = results.get(1, {})
+    others = {str(k): r for k, r in results.items() if k != 1}
     C.write_json(args.results_dir, "comm", {"bench": "comm", "smoke": args.smoke, "machine": C.machine(),
                                             "experiment": "smoke", "model": model, "tolerance": TOLERANCE,
-                                            "world_sizes": sizes, **results[model]})
+                                            "world_sizes": sizes, **top, "tensor_parallel": others})
 
 
 if __name__ == "__main__":

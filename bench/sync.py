@@ -6,7 +6,12 @@ Each configuration runs under `torchrun --standalone --nproc_per_node N` with th
 order as the trainer (process group, engine, FSDP2 policy). Also reported: `gather_s`, the time to
 just materialise the stream (DTensor.full_tensor + dtype cast) without loading it into an engine.
 
+With `--tp 1,2` the 2-process vLLM runs also use one tensor-parallel engine over both ranks
+(rollout.tensor_parallel_size=2): every rank still streams the full tensors, and vLLM's loader
+keeps each worker's half. Configurations run one after the other, so compare them side by side.
+
     .venv/bin/python bench/sync.py                       # tiny + smollm2_135m, vllm + hf, 1 and 2 processes
+    .venv/bin/python bench/sync.py --models tiny --engines vllm --nprocs 2 --tp 1,2
     .venv/bin/python bench/sync.py --models smollm2_135m --nprocs 1 --iters 20
     .venv/bin/python bench/sync.py --smoke --results-dir /tmp/r
 """
@@ -36,13 +41,15 @@ def worker(a) -> None:
     from distflow.rollout.weight_sync import full_parameters
 
     cfg = DistflowConfig()
-    cfg.model.path, cfg.rollout.engine = a.model, a.engine
+    cfg.model.path, cfg.rollout.engine, cfg.rollout.tensor_parallel_size = a.model, a.engine, a.tp
     cfg.rollout.max_new_tokens, cfg.rollout.max_prompt_tokens = 32, 128
     info = init_distributed("gloo", "cpu")
     cfg = resolve_auto(cfg, info.device)  # the trainer's dtype and shard degree for this model
     path = resolve_model_path(a.model)
-    engine = build_engine(path, cfg.model, cfg.rollout, info.device, 0)  # trainer's order: engine, then policy
-    policy = Policy(path, cfg.model, cfg.optim, ParallelLayout.from_config(cfg.model, info))
+    layout = ParallelLayout.from_config(cfg.model, info, a.tp)
+    # trainer's order: engine, then policy
+    engine = build_engine(path, cfg.model, cfg.rollout, info.device, 0, layout.engine_group)
+    policy = Policy(path, cfg.model, cfg.optim, layout)
     dtype, bucket = getattr(torch, cfg.model.dtype), cfg.rollout.sync_bucket_mib << 20
 
     def timed(fn) -> list[float]:
@@ -65,7 +72,7 @@ def worker(a) -> None:
     if info.rank == 0:
         with open(a.out, "w") as f:
             json.dump({"sync_s": sync_s, "gather_s": gather_s, "copy_s": copy_s, "numel": numel, "bytes": nbytes,
-                       "world_size": info.world_size, "torch_threads": torch.get_num_threads(),
+                       "world_size": info.world_size, "tensor_parallel_size": a.tp, "torch_threads": torch.get_num_threads(),
                        "bucket_mib": cfg.rollout.sync_bucket_mib}, f)
     del policy
     if dist.is_initialized():
@@ -81,32 +88,37 @@ def main() -> None:
     p.add_argument("--engines", default="vllm,hf")
     p.add_argument("--nprocs", default=None, help="comma list (default 1,2; --smoke: 1)")
     p.add_argument("--iters", type=int, default=None, help="timed resyncs per configuration (default 10; --smoke: 2)")
+    p.add_argument("--tp", default="1", help="comma list of rollout.tensor_parallel_size for vLLM (those dividing nproc)")
     args = p.parse_args()
+    tps = [int(k) for k in args.tp.split(",")]
     nprocs = [int(n) for n in (args.nprocs or ("1" if args.smoke else "1,2")).split(",")]
     iters = args.iters or (2 if args.smoke else 10)
     wd = C.work_dir(args, "sync")
     records, rows = [], []
     for model in C.models(args):
         for engine in args.engines.split(","):
-            for nproc in nprocs:
-                out = wd / f"{model}-{engine}-n{nproc}.json"
+            for nproc, k in [(n, k) for n in nprocs for k in (tps if engine == "vllm" else [1]) if n % k == 0]:
+                tag = f"{model}-{engine}-n{nproc}" + (f"-tp{k}" if k > 1 else "")
+                out = wd / f"{tag}.json"
                 C.fresh(out)
-                print(f"[sync] {model} engine={engine} nproc={nproc}", flush=True)
+                print(f"[sync] {model} engine={engine} nproc={nproc} tensor_parallel_size={k}", flush=True)
                 C.torchrun(__file__, ["--worker", "--model", model, "--engine", engine, "--iters", str(iters),
-                                      "--out", str(out)], nproc, wd / f"{model}-{engine}-n{nproc}.log")
+                                      "--tp", str(k), "--out", str(out)], nproc, wd / f"{tag}.log")
                 r = json.loads(out.read_text())
                 sync, gather, copy = (statistics.median(r[k]) for k in ("sync_s", "gather_s", "copy_s"))
                 ratios = [s / copy for s in r["sync_s"]]
-                rec = {"model": model, "engine": engine, "processes": nproc, "bytes": r["bytes"],
+                rec = {"model": model, "engine": engine, "processes": nproc, "tensor_parallel_size": k,
+                       "bytes": r["bytes"],
                        "sync_s_median": sync, "gather_s_median": gather, "copy_s_median": copy,
                        "ratio_median": sync / copy, "ratio_min": min(ratios), "ratio_max": max(ratios),
                        "copy_gb_per_s": r["bytes"] / copy / 1e9, "iters": iters, "raw": r}
                 records.append(rec)
-                rows.append([model, engine, nproc, r["bytes"] / 2**20, sync * 1e3, gather * 1e3, copy * 1e3,
+                rows.append([model, engine, nproc, k, r["bytes"] / 2**20, sync * 1e3, gather * 1e3, copy * 1e3,
                              rec["ratio_median"], GOAL])
-    print(C.table(["model", "engine", "procs", "MiB", "resync ms", "gather ms", "copy ms", "ratio", "goal"], rows))
+    print(C.table(["model", "engine", "procs", "k", "MiB", "resync ms", "gather ms", "copy ms", "ratio", "goal"], rows))
     # Headline: the vLLM engine (the default) on the largest model measured, 1 process (no all-gather).
-    head = [r for r in records if r["engine"] == "vllm" and r["processes"] == min(nprocs)] or records
+    head = [r for r in records if r["engine"] == "vllm" and r["processes"] == min(nprocs)
+            and r["tensor_parallel_size"] == 1] or records
     head = max(head, key=lambda r: r["bytes"])
     C.write_json(args.results_dir, "sync", {
         "bench": "sync", "smoke": args.smoke, "machine": C.machine(), "goal_ratio": GOAL,
@@ -121,6 +133,7 @@ if __name__ == "__main__":
         for flag in ("--model", "--engine", "--out"):
             ap.add_argument(flag, required=True)
         ap.add_argument("--iters", type=int, default=5)
+        ap.add_argument("--tp", type=int, default=1)
         ap.add_argument("--worker", action="store_true")
         worker(ap.parse_args())
     else:

@@ -51,6 +51,9 @@ class RolloutConfig:
     sleep_during_update: bool = True
     # Parameters are streamed into the engine in buckets of at most this many MiB.
     sync_bucket_mib: int = 256
+    # Ranks per vLLM engine: consecutive groups of this many ranks share one tensor-parallel
+    # engine (each rank one worker). Must divide the world size and the model's attention heads.
+    tensor_parallel_size: int = 1
 
 
 @dataclass
@@ -232,6 +235,10 @@ class DistflowConfig:
         checks = [
             (r.engine in ("vllm", "hf"), f"rollout.engine must be 'vllm' or 'hf', got {r.engine!r}"),
             (r.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1"),
+            (r.tensor_parallel_size >= 1, f"rollout.tensor_parallel_size must be >= 1, got {r.tensor_parallel_size}"),
+            (r.tensor_parallel_size == 1 or r.engine == "vllm",
+             f"rollout.tensor_parallel_size={r.tensor_parallel_size} needs rollout.engine=vllm (the hf engine is one "
+             "whole model per rank)"),
             (r.temperature > 0, "rollout.temperature must be > 0"),
             (o.micro_batch_size >= 1 and o.mini_batches >= 1, "optim.micro_batch_size and optim.mini_batches must be >= 1"),
             (o.micro_batch_tokens >= 0, f"optim.micro_batch_tokens must be >= 0 (0 = off), got {o.micro_batch_tokens}"),

@@ -20,13 +20,14 @@ def evaluate(engine, pool: RewardPool, tokenizer, items: list[PromptItem], dist:
     """{"val/pass@1", "val/response_length", "val/items"} (+ "val/pass@k", "val/k" when k > 0)."""
     mine = items[dist.rank :: dist.world_size]
     prompts = [it.prompt_ids for it in mine]
-    greedy = [g[0] for g in engine.generate(prompts, 1, [0] * len(mine), greedy=True)] if mine else []
+    # every rank calls the engine, also with no items: ranks sharing a tensor-parallel engine call it together
+    greedy = [g[0] for g in engine.generate(prompts, 1, [0] * len(mine), greedy=True)]
     rewards, _ = score_groups(pool, tokenizer, mine, greedy, 1)
     local = [float((rewards >= PASS_THRESHOLD).sum()), float(len(mine)),
              float(sum(len(s.response_ids) for s in greedy))]
     if k > 0:
         seeds = [seed * 7919 + dist.rank * 104729 + i for i in range(len(mine))]
-        sampled = [s for g in engine.generate(prompts, k, seeds) for s in g] if mine else []
+        sampled = [s for g in engine.generate(prompts, k, seeds) for s in g]
         rewards_k, _ = score_groups(pool, tokenizer, mine, sampled, k)
         local.append(float((rewards_k >= PASS_THRESHOLD).any(dim=1).sum()))
     total = all_reduce(local).tolist()

@@ -8,9 +8,10 @@ all take their FSDP2 mesh from here instead of building process groups of their 
   world = replicate x shard      FSDP2 shards parameters over `shard` consecutive ranks and
                                  replicates across the `replicate` groups (HSDP); shard = world
                                  is plain FSDP, shard = 1 is full replicas (DDP-like).
-  world = engines x engine_tp    consecutive groups of `engine_tp` ranks would share one
-                                 tensor-parallel rollout engine; today every rank owns a whole
-                                 engine (engine_tp = 1).
+  world = engines x engine_tp    consecutive groups of `engine_tp` ranks share one
+                                 tensor-parallel vLLM engine (rollout.tensor_parallel_size; the
+                                 same grouping vLLM's external launcher makes); 1 = every rank owns
+                                 a whole engine.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from distflow.config import ConfigError, ModelConfig
 from distflow.devices import shard_ranks
 from distflow.distributed import DistInfo
+from distflow.models.heads import attention_heads, tensor_parallel_problem
 
 
 @dataclass(frozen=True)
@@ -32,35 +34,56 @@ class ParallelLayout:
     rank: int
     device: torch.device
     shard: int  # FSDP shard degree (model.shard_ranks, -1 resolved to the world size)
-    engine_tp: int = 1  # ranks per rollout engine
+    engine_tp: int = 1  # ranks per rollout engine (rollout.tensor_parallel_size)
 
     @classmethod
-    def from_config(cls, model: ModelConfig, dist: DistInfo) -> "ParallelLayout":
+    def from_config(cls, model: ModelConfig, dist: DistInfo, engine_tp: int = 1) -> "ParallelLayout":
         ranks = shard_ranks(model)  # null: -1 for a model you name, 1 for the built-in small ones
         shard = dist.world_size if ranks == -1 else ranks
-        layout = cls(dist.world_size, dist.rank, dist.device, shard)
+        layout = cls(dist.world_size, dist.rank, dist.device, shard, engine_tp)
         layout.validate()
+        if problem := tensor_parallel_problem(engine_tp, attention_heads(model.path, model.trust_remote_code)):
+            raise ConfigError(f"rollout.tensor_parallel_size={engine_tp}: {problem} ({model.path})")
         return layout
 
     @classmethod
-    def current(cls, model: ModelConfig, device: torch.device | str = "cpu") -> "ParallelLayout":
+    def current(cls, model: ModelConfig, device: torch.device | str = "cpu", engine_tp: int = 1) -> "ParallelLayout":
         """The layout of the already-initialised default process group (tests, benchmarks)."""
         import torch.distributed as dist
 
         world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
         info = DistInfo(rank, world, rank, world, torch.device(device), "gloo")
-        return cls.from_config(model, info)
+        return cls.from_config(model, info, engine_tp)
 
     def validate(self) -> None:
         if self.shard < 1 or self.world_size % self.shard:
             raise ConfigError(f"model.shard_ranks={self.shard} does not divide the world size {self.world_size}")
         if self.engine_tp < 1 or self.world_size % self.engine_tp:
-            raise ConfigError(f"the rollout tensor-parallel size {self.engine_tp} does not divide the world size "
+            raise ConfigError(f"rollout.tensor_parallel_size={self.engine_tp} does not divide the world size "
                               f"{self.world_size}")
 
     @property
     def replicate(self) -> int:
         return self.world_size // self.shard
+
+    @property
+    def engine_ranks(self) -> list[int]:
+        """The ranks that drive this rank's engine: `engine_tp` consecutive ranks, this one among them."""
+        first = self.rank - self.rank % self.engine_tp
+        return list(range(first, first + self.engine_tp))
+
+    @functools.cached_property
+    def engine_group(self):
+        """A gloo group over `engine_ranks` (None when each rank owns its engine), for the small
+        exchange of requests before each engine call. Every rank must create it at the same point:
+        creating groups is collective over the whole world."""
+        import torch.distributed as dist
+
+        if self.engine_tp == 1:
+            return None
+        groups = [list(range(i, i + self.engine_tp)) for i in range(0, self.world_size, self.engine_tp)]
+        mine, _ = dist.new_subgroups_by_enumeration(groups, backend="gloo")
+        return mine
 
     @functools.cached_property
     def fsdp_mesh(self) -> DeviceMesh:

@@ -33,6 +33,7 @@ OPERATIONAL_KEYS = frozenset({
     "model.dtype", "model.shard_ranks", "model.trust_remote_code", "model.meta_device_init",
     "rollout.engine", "rollout.kv_cache_gib", "rollout.gpu_memory_utilization", "rollout.enforce_eager",
     "rollout.sleep_during_update", "rollout.sync_bucket_mib",
+    "rollout.tensor_parallel_size",
     "optim.micro_batch_size", "optim.micro_batch_tokens",
     "task.reward_timeout_s", "task.reward_workers",
     "trainer.output_dir", "trainer.backend", "trainer.device", "trainer.collective_timeout_s",

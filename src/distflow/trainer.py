@@ -4,6 +4,8 @@ advantages -> update -> sync weights -> log -> checkpoint (or stop, on a signal)
 There is no controller. Each rank samples its own prompts, generates all samples of a group
 locally (so group statistics need no communication), and joins the others only through
 FSDP's collectives and a few small all_reduces (global counts, batch statistics, metrics).
+Ranks that share a tensor-parallel engine also all-gather their requests before each engine
+call (distflow.rollout.engine_group); each still keeps only its own groups.
 Algorithms differ only in the functions the config selects (distflow.algorithms.registry).
 Each phase returns what it made; nothing is filled in later.
 """
@@ -84,7 +86,7 @@ class Trainer:
             log.warning(note)
         log.info(f"{self.dist.world_size} rank(s) on {self.dist.device.type} ({self.dist.backend}), "
                  f"model dtype {cfg.model.dtype}")
-        self.layout = ParallelLayout.from_config(cfg.model, self.dist)
+        self.layout = ParallelLayout.from_config(cfg.model, self.dist, cfg.rollout.tensor_parallel_size)
         save_config(cfg, t.output_dir, write=self.dist.is_main)
         random.seed(t.seed)
         np.random.seed(t.seed)
@@ -99,7 +101,8 @@ class Trainer:
         wants_val = bool(t.val_every or t.val_before_train or t.val_at_end)
         self.heldout = load_prompts(cfg.task, tok, limit, split="heldout") if wants_val else []
         self.sampler = ShardedSampler(len(self.items), self.dist.rank, self.dist.world_size, t.seed, cfg.data.shuffle)
-        self.engine = build_engine(self.model_path, cfg.model, cfg.rollout, self.dist.device, t.seed)
+        self.engine = build_engine(self.model_path, cfg.model, cfg.rollout, self.dist.device, t.seed,
+                                   self.layout.engine_group)
         self.policy = Policy(self.model_path, cfg.model, cfg.optim, self.layout)
         # The frozen reference exists only when KL is on: beta = 0 costs nothing.
         self.reference = Policy(self.model_path, cfg.model, cfg.optim, self.layout, trainable=False) \

@@ -41,12 +41,20 @@ class RolloutEngine(Protocol):
     def shutdown(self) -> None: ...
 
 
-def build_engine(model_path: str, model: ModelConfig, rollout: RolloutConfig, device: torch.device, seed: int) -> RolloutEngine:
-    """Construct the configured engine. Must be called on every rank together (vLLM runs a collective)."""
+def build_engine(model_path: str, model: ModelConfig, rollout: RolloutConfig, device: torch.device, seed: int,
+                 group=None) -> RolloutEngine:
+    """Construct the configured engine. Must be called on every rank together (vLLM runs a collective).
+    `group`: this rank's engine group (ParallelLayout.engine_group) when rollout.tensor_parallel_size > 1."""
     if rollout.engine == "vllm":
         from distflow.rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_path, model, rollout, device, seed)
+        engine = VLLMEngine(model_path, model, rollout, device, seed)
+        if rollout.tensor_parallel_size == 1:
+            return engine
+        from distflow.rollout.engine_group import EngineGroup
+
+        assert group is not None, "a tensor-parallel engine needs its ranks' group (ParallelLayout.engine_group)"
+        return EngineGroup(engine, group)
     from distflow.rollout.hf_engine import HFEngine
 
     return HFEngine(model_path, model, rollout, device)

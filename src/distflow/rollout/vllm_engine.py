@@ -1,8 +1,11 @@
-"""vLLM rollout engine, one per rank, in the rank's own process.
+"""vLLM rollout engine, in the rank's own process: one per rank, or one per group of
+rollout.tensor_parallel_size consecutive ranks.
 
 `distributed_executor_backend="external_launcher"` makes vLLM reuse the torchrun process group
-instead of spawning workers, so each rank owns an independent tensor_parallel_size=1 engine.
-The process group must exist before construction, and all ranks construct together.
+instead of spawning workers: each rank is one tensor-parallel worker of its group's engine (with
+k = 1, an independent engine). The process group must exist before construction, and all ranks
+construct together. With k > 1 every rank of a group must make the same calls with the same
+requests (distflow.rollout.engine_group does that).
 
 Sleep (CUDA, `rollout.sleep_during_update`): during the update the engine sleeps at level 2,
 which frees its weights and KV cache without copying anything to host memory (level 1 would
@@ -70,7 +73,7 @@ class VLLMEngine:
             dtype=str(torch_dtype(model.dtype, device)).removeprefix("torch."),
             enforce_eager=enforce_eager(rollout.enforce_eager, device),
             max_model_len=max_model_len(rollout),
-            tensor_parallel_size=1,
+            tensor_parallel_size=rollout.tensor_parallel_size,
             distributed_executor_backend="external_launcher",
             seed=seed,
             logprobs_mode="processed_logprobs",
@@ -104,6 +107,8 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         self._check_awake()
+        if not prompts:
+            return []
         params = [self._sampling_params(n, s, greedy) for s in seeds]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         groups = []
@@ -121,6 +126,8 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         self._check_awake()
+        if not seqs:
+            return []
         # prompt_logprobs is computed from raw logits (temperature does not apply to prompts).
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=False)
