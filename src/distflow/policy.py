@@ -62,6 +62,8 @@ class ShardedModel:
             # wrapper module renames the parameters that checkpoints and the engine sync use.
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.logprob_chunk_tokens = model_cfg.logprob_chunk_tokens
+        if self.logprob_chunk_tokens and model.get_output_embeddings() is not None:
+            output_head(model)  # a head the chunked path cannot stand in for stops here, not mid-run
         for block in _decoder_blocks(model):
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
