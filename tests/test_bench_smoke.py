@@ -109,6 +109,14 @@ def test_update_smoke(tmp_path):
     assert _positive(rec["speedup_fused"]) and _positive(rec["speedup_default"])
 
 
+def test_update_memory_smoke(tmp_path):
+    out = run_bench("update_memory", tmp_path)
+    rec = out["records"][0]
+    assert set(rec["variants"]) == set(out["variants"]) == {"plain", "chunked", "checkpointed", "both"}
+    for variant, r in rec["variants"].items():
+        assert _positive(r["before_mib"]) and r["peak_mib"] >= r["before_mib"] and _positive(r["seconds"]), variant
+
+
 def test_preempt_smoke(tmp_path):
     rec = run_bench("preempt", tmp_path)["records"][0]
     assert rec["exit_status"] == 75 and rec["stopped_after_step"] >= 2 and _positive(rec["checkpoint_mb"])

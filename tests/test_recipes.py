@@ -39,6 +39,7 @@ def test_every_recipe_config_composes_and_validates(group, name):
     ("optim.micro_batch_tokens=-1", "optim.micro_batch_tokens must be >= 0"),
     ("trainer.sync_probe_every=0", "trainer.sync_probe_every must be >= 1"),
     ("model.shard_ranks=0", "model.shard_ranks must be -1"),
+    ("model.logprob_chunk_tokens=-1", "model.logprob_chunk_tokens must be >= 0"),
     ("trainer.checkpoint_every_s=-1", "trainer.checkpoint_every and trainer.checkpoint_every_s must be >= 0"),
     ("trainer.checkpoint_every=-2", "trainer.checkpoint_every and trainer.checkpoint_every_s must be >= 0"),
 ])

@@ -33,6 +33,13 @@ class ModelConfig:
     # Build the policy, reference and critic on the meta device and fill their shards from one
     # copy read by global rank 0 (distflow.model_init); false = every rank reads the full model.
     meta_device_init: bool = True
+    # Recompute each decoder block's activations in backward instead of keeping them
+    # (transformers' per-block checkpointing, under FSDP2): less memory, ~1 more forward.
+    activation_checkpointing: bool = False
+    # Response positions per chunk when turning hidden states into logprobs and entropy, logits
+    # recomputed in backward (distflow.logprobs): no [B, R, V] fp32 tensor for a micro-batch.
+    # 0 = the plain path (whole-micro-batch logits).
+    logprob_chunk_tokens: int = 512
 
 
 @dataclass
@@ -257,6 +264,8 @@ class DistflowConfig:
              f"model.dtype must be auto, float32 or bfloat16, got {self.model.dtype!r}"),
             (self.model.shard_ranks is None or self.model.shard_ranks == -1 or self.model.shard_ranks >= 1,
              f"model.shard_ranks must be -1 (all ranks) or >= 1 (or null), got {self.model.shard_ranks}"),
+            (self.model.logprob_chunk_tokens >= 0,
+             f"model.logprob_chunk_tokens must be >= 0 (0 = unchunked), got {self.model.logprob_chunk_tokens}"),
             (str(r.enforce_eager).lower() in ("auto", "true", "false"),
              f"rollout.enforce_eager must be auto, true or false, got {r.enforce_eager!r}"),
             (self.trainer.device in ("auto", "cpu", "cuda"),

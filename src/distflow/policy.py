@@ -17,13 +17,13 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from distflow.algorithms.kl import entropy_from_logits
 from distflow.batch import TokenBatch
 from distflow.config import ModelConfig, OptimConfig
 from distflow.devices import torch_dtype
 from distflow.distributed import all_reduce
 from distflow.layout import ParallelLayout
 from distflow.model_init import is_meta, materialize, skeleton
+from distflow.logprobs import chunked_stats, head_replaced, output_head, token_stats
 
 
 def _decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -63,6 +63,14 @@ class ShardedModel:
         mesh = layout.fsdp_mesh
         compute = torch_dtype(model_cfg.dtype, layout.device)
         mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute != torch.float32 else MixedPrecisionPolicy()
+        if model_cfg.activation_checkpointing and trainable:
+            # transformers' per-block checkpointing runs inside each block's __call__, so FSDP2's
+            # hooks stay on the blocks themselves (it skips them during the recompute) and no
+            # wrapper module renames the parameters that checkpoints and the engine sync use.
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.logprob_chunk_tokens = model_cfg.logprob_chunk_tokens
+        if self.logprob_chunk_tokens and model.get_output_embeddings() is not None:
+            output_head(model)  # a head the chunked path cannot stand in for stops here, not mid-run
         for block in _decoder_blocks(model):
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -144,12 +152,25 @@ class Policy(ShardedModel):
     def forward(self, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False):
         """(logprobs [B, R], entropy [B, R] or None) of the response tokens at `temperature`."""
         keep = batch.resp_mask.shape[1] + 1  # the last R+1 positions predict every response token
-        logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                            position_ids=batch.position_ids, logits_to_keep=keep).logits
         idx = response_window_index(batch)
-        sel = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1])).float() / temperature
         targets = batch.input_ids[:, -keep:].gather(1, idx + 1)
-        lp = sel.gather(-1, targets[..., None]).squeeze(-1) - torch.logsumexp(sel, dim=-1)
-        entropy = entropy_from_logits(sel) * batch.resp_mask if with_entropy else None
+        inputs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                      position_ids=batch.position_ids, logits_to_keep=keep)
+        if self.logprob_chunk_tokens > 0:  # the head runs chunk by chunk (distflow.logprobs)
+            def chunked_head(hidden: torch.Tensor) -> torch.Tensor:
+                window = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
+                return chunked_stats(window, head, targets, batch.resp_mask, temperature,
+                                     self.logprob_chunk_tokens, with_entropy)
+
+            head = output_head(self.model)
+            with head_replaced(head, chunked_head):
+                stats = self.model(**inputs).logits  # [B, R, 1 or 2]
+            lp, entropy = stats[..., 0], (stats[..., 1] if with_entropy else None)
+        else:  # [B, R, V] logits for the whole micro-batch
+            logits = self.model(**inputs).logits
+            sel = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))
+            lp, entropy = token_stats(sel, targets, temperature, with_entropy)
+            lp = lp * batch.resp_mask
+            entropy = entropy * batch.resp_mask if with_entropy else None
         self._reshard_if_no_grad()
-        return lp * batch.resp_mask, entropy
+        return lp, entropy
