@@ -113,3 +113,19 @@ def test_preempt_smoke(tmp_path):
     rec = run_bench("preempt", tmp_path)["records"][0]
     assert rec["exit_status"] == 75 and rec["stopped_after_step"] >= 2 and _positive(rec["checkpoint_mb"])
     assert 0 < rec["signal_to_saved_s"] <= rec["signal_to_exit_s"]
+
+
+def test_memory_smoke(tmp_path):
+    out = run_bench("memory", tmp_path)
+    assert out["variants"] == {"default": []} and out["experiment"] == "smoke"
+    rec = out["records"][0]
+    assert rec["processes"] == 2 and len(rec["per_rank"]) == 2 and rec["method"] in ("clear_refs", "sampling")
+    for phase in ("startup", "generate", "logprob", "update", "sync", "probe"):
+        assert _positive(rec["peak_rss_gib"][phase]), phase
+    assert rec["peak_rss_gib_max"] == max(rec["peak_rss_gib"].values())
+    for rank in rec["per_rank"]:
+        # the engine and the policy are measured inside start-up; steps call each phase once
+        assert {"imports", "startup:engine", "startup:policy"} <= set(rank["peak_rss"])
+        assert rank["calls"]["update"] == rank["calls"]["sync"] == 2
+        after = rank["end_of_phase"]["startup"]
+        assert 0 < after["anon"] <= after["rss"] and _positive(after["pss"])
