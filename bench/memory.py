@@ -183,7 +183,10 @@ def main() -> None:
         "bench": "memory", "smoke": args.smoke, "machine": C.machine(), "experiment": experiment, "steps": steps,
         "goal_peak_rss_gb": GOAL_GB,
         "common_overrides": args.overrides.split(), "units": "GiB (2^30 bytes) unless named _gb",
-        "variants": variants, "skipped": skipped, "records": records})
+        "variants": variants, "skipped": skipped,
+        # records of (model, processes, variant) not measured again stay, so runs can add to each other
+        "records": C.merge_records(C.previous_records(args.results_dir, "memory", args.smoke), records,
+                                   keys=("model", "processes", "variant"))})
 
 
 if __name__ == "__main__":
