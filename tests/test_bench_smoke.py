@@ -132,3 +132,19 @@ def test_startup_smoke(tmp_path):
             assert list(stages) == ["policy", "reference", "critic"]
             for s in stages.values():
                 assert _positive(s["before_mib"]) and s["peak_mib"] >= s["before_mib"] and _positive(s["seconds"])
+
+
+def test_memory_smoke(tmp_path):
+    out = run_bench("memory", tmp_path)
+    assert out["variants"] == {"default": []} and out["experiment"] == "smoke"
+    rec = out["records"][0]
+    assert rec["processes"] == 2 and len(rec["per_rank"]) == 2 and rec["method"] in ("clear_refs", "sampling")
+    for phase in ("startup", "generate", "logprob", "update", "sync", "probe"):
+        assert _positive(rec["peak_rss_gib"][phase]), phase
+    assert rec["peak_rss_gib_max"] == max(rec["peak_rss_gib"].values())
+    for rank in rec["per_rank"]:
+        # the engine and the policy are measured inside start-up; steps call each phase once
+        assert {"imports", "startup:engine", "startup:policy"} <= set(rank["peak_rss"])
+        assert rank["calls"]["update"] == rank["calls"]["sync"] == 2
+        after = rank["end_of_phase"]["startup"]
+        assert 0 < after["anon"] <= after["rss"] and _positive(after["pss"])

@@ -42,6 +42,8 @@ def test_every_recipe_config_composes_and_validates(group, name):
     ("model.logprob_chunk_tokens=-1", "model.logprob_chunk_tokens must be >= 0"),
     ("trainer.checkpoint_every_s=-1", "trainer.checkpoint_every and trainer.checkpoint_every_s must be >= 0"),
     ("trainer.checkpoint_every=-2", "trainer.checkpoint_every and trainer.checkpoint_every_s must be >= 0"),
+    ("trainer.host_mmap_threshold_kib=-1", "trainer.host_mmap_threshold_kib must be 0"),
+    ("trainer.host_mmap_threshold_kib=65536", "trainer.host_mmap_threshold_kib must be 0"),
 ])
 def test_out_of_range_performance_knobs_are_rejected(override, needle):
     from distflow.config import ConfigError

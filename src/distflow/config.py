@@ -189,6 +189,10 @@ class TrainerConfig:
     # SmolLM2 step on CPU), so not every step by default.
     sync_probe_every: int = 10
     progress_bar: bool = True
+    # Host memory blocks of at least this many KiB get their own mapping, handed back to the OS
+    # when freed (glibc's M_MMAP_THRESHOLD, distflow.hostmem); 0 = glibc's default, which climbs
+    # to 32 MiB and keeps freed activations resident (~1.5 GB per SmolLM2 rank, bench/memory.py).
+    host_mmap_threshold_kib: int = 1024
     # Third-party messages (vLLM, transformers, ...) on rank 0's console from this level up
     # (DEBUG | INFO | WARNING | ERROR); INFO also shows the warnings expected on every resync.
     # Every rank's <output_dir>/logs/rank_<r>.log holds everything regardless.
@@ -253,6 +257,9 @@ class DistflowConfig:
             (self.trainer.steps >= 0, "trainer.steps must be >= 0"),
             (self.trainer.sync_probe_every >= 1, "trainer.sync_probe_every must be >= 1"),
             (self.trainer.max_nonfinite_steps >= 1, "trainer.max_nonfinite_steps must be >= 1"),
+            (0 <= self.trainer.host_mmap_threshold_kib <= 32 * 1024,
+             f"trainer.host_mmap_threshold_kib must be 0 (glibc's default) to 32768 (glibc's maximum), "
+             f"got {self.trainer.host_mmap_threshold_kib}"),
             (self.trainer.checkpoint_every >= 0 and self.trainer.checkpoint_every_s >= 0,
              "trainer.checkpoint_every and trainer.checkpoint_every_s must be >= 0 (0 = off)"),
             (self.trainer.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"),

@@ -38,6 +38,7 @@ from distflow.distributed import all_reduce, barrier, broadcast_object, init_dis
 from distflow.evaluation import evaluate
 from distflow.export import export_live
 from distflow.faults import inject_fault, save_fault
+from distflow.hostmem import limit_malloc_retention
 from distflow.layout import ParallelLayout
 from distflow.metrics import MetricLogger
 from distflow.models import resolve_on_local_rank0_first
@@ -73,6 +74,7 @@ class Trainer:
     def __init__(self, cfg: DistflowConfig):
         self.cfg = cfg.validate()
         t, a = cfg.trainer, cfg.algorithm
+        limit_malloc_retention(t.host_mmap_threshold_kib)  # before any model or engine allocates
         # Order matters: process group, then engine (reuses it), then the FSDP models.
         self.dist = init_distributed(t.backend, t.device, t.collective_timeout_s)
         self.cfg = cfg = resolve_auto(cfg, self.dist.device)  # dtype, eager mode, shard degree for the device
