@@ -40,6 +40,7 @@ def test_every_recipe_config_composes_and_validates(group, name):
     ("trainer.sync_probe_every=0", "trainer.sync_probe_every must be >= 1"),
     ("model.shard_ranks=0", "model.shard_ranks must be -1"),
     ("model.logprob_chunk_tokens=-1", "model.logprob_chunk_tokens must be >= 0"),
+    ("rollout.kv_cache_gib=0", "rollout.kv_cache_gib must be > 0"),
     ("trainer.checkpoint_every_s=-1", "trainer.checkpoint_every and trainer.checkpoint_every_s must be >= 0"),
     ("trainer.checkpoint_every=-2", "trainer.checkpoint_every and trainer.checkpoint_every_s must be >= 0"),
     ("trainer.host_mmap_threshold_kib=-1", "trainer.host_mmap_threshold_kib must be 0"),

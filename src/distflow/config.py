@@ -49,8 +49,9 @@ class RolloutConfig:
     max_prompt_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
-    # KV cache: GiB on CPU (VLLM_CPU_KVCACHE_SPACE); fraction of GPU memory on CUDA.
-    kv_cache_gib: float = 1.0
+    # KV cache: GiB per engine on CPU, fractions allowed (a token of SmolLM2-135M takes 45 KiB, so
+    # 0.25 GiB holds ~5,800 tokens); on CUDA the engine's share is gpu_memory_utilization.
+    kv_cache_gib: float = 0.25
     gpu_memory_utilization: float = 0.35
     # auto | true | false. auto = CUDA graphs on CUDA, eager on CPU (distflow.devices).
     enforce_eager: str = "auto"
@@ -273,6 +274,7 @@ class DistflowConfig:
              f"model.shard_ranks must be -1 (all ranks) or >= 1 (or null), got {self.model.shard_ranks}"),
             (self.model.logprob_chunk_tokens >= 0,
              f"model.logprob_chunk_tokens must be >= 0 (0 = unchunked), got {self.model.logprob_chunk_tokens}"),
+            (r.kv_cache_gib > 0, f"rollout.kv_cache_gib must be > 0, got {r.kv_cache_gib}"),
             (str(r.enforce_eager).lower() in ("auto", "true", "false"),
              f"rollout.enforce_eager must be auto, true or false, got {r.enforce_eager!r}"),
             (self.trainer.device in ("auto", "cpu", "cuda"),

@@ -60,8 +60,9 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         on_cpu = device.type == "cpu"
         if on_cpu:
-            # GiB of KV cache per engine; vLLM's CPU default reserves most of RAM per engine.
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(rollout.kv_cache_gib))))
+            # vLLM reads this legacy variable in whole GiB and lets it override kv_cache_memory_bytes
+            # (below), which takes any size: the demo needs well under 1 GiB.
+            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -80,7 +81,9 @@ class VLLMEngine:
             trust_remote_code=model.trust_remote_code,
             use_tqdm_on_load=False,
         )
-        if not on_cpu:
+        if on_cpu:  # KV cache per engine; vLLM's CPU default reserves most of RAM per engine
+            kwargs.update(kv_cache_memory_bytes=int(rollout.kv_cache_gib * 2**30))
+        else:
             kwargs.update(gpu_memory_utilization=rollout.gpu_memory_utilization, enable_sleep_mode=rollout.sleep_during_update)
         self.llm = LLM(**kwargs)
         self.tied_head = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
