@@ -6,16 +6,9 @@ first, then the unmodified recipe runs as __main__ with the same command-line ov
 
 from __future__ import annotations
 
-import runpy
-import sys
-from pathlib import Path
-
 import comm_hooks
-
-GRPO = Path(__file__).resolve().parents[1] / "recipes" / "grpo.py"
+import common
 
 if __name__ == "__main__":
     comm_hooks.install()
-    sys.argv[0] = str(GRPO)
-    sys.path.insert(0, str(GRPO.parent))
-    runpy.run_path(str(GRPO), run_name="__main__")
+    common.run_grpo_recipe()

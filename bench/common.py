@@ -29,6 +29,17 @@ MODELS = ("tiny", "smollm2_135m")
 CORES = os.cpu_count() or 1
 
 
+def run_grpo_recipe() -> None:
+    """Run the unmodified recipes/grpo.py as __main__ in this process with this process's
+    command-line overrides: the entries that install measuring hooks first end with this."""
+    import runpy
+
+    recipe = ROOT / "recipes" / "grpo.py"
+    sys.argv[0] = str(recipe)
+    sys.path.insert(0, str(recipe.parent))
+    runpy.run_path(str(recipe), run_name="__main__")
+
+
 def parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--smoke", action="store_true", help="tiny, fast configuration (used by the tests)")

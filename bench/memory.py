@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import typing
-from pathlib import Path
 
 import common as C
 

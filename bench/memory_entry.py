@@ -6,20 +6,13 @@ are installed first, then the unmodified recipe runs as __main__ with the same o
 
 from __future__ import annotations
 
-import runpy
-import sys
-from pathlib import Path
-
 from distflow.output import quiet_third_party_env
 
 quiet_third_party_env()  # as recipes/grpo.py does, before the hooks import torch and transformers
 
+import common  # noqa: E402
 import memory_hooks  # noqa: E402
-
-GRPO = Path(__file__).resolve().parents[1] / "recipes" / "grpo.py"
 
 if __name__ == "__main__":
     memory_hooks.install()
-    sys.argv[0] = str(GRPO)
-    sys.path.insert(0, str(GRPO.parent))
-    runpy.run_path(str(GRPO), run_name="__main__")
+    common.run_grpo_recipe()

@@ -22,9 +22,8 @@ from distflow.layout import ParallelLayout
 from distflow.models.heads import attention_heads, tensor_parallel_problem
 from distflow.policy import Policy
 from distflow.rollout import Sample, build_engine
-from distflow.rollout.weight_sync import full_parameters
 from launch_helpers import read_metrics, torchrun
-from test_weight_sync import _max_diff, _policy_logprobs
+from test_weight_sync import perturb_and_resync
 
 needs_vllm = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")]
 
@@ -44,15 +43,7 @@ def _worker(rank, world, model_dir, out):
     # ranks ask for different sequences, and different numbers of them (rank 1 and 3 one more)
     seqs = [[5 + rank, 17, 42, 99, 7, 64, 3], [11, 12, 13, 14, 15, 16, 17, 18 + rank]]
     seqs += [[30 + rank, 31, 32]] * (rank % 2)
-    before = _max_diff(engine.prompt_logprobs(seqs), _policy_logprobs(policy, seqs))
-    with torch.no_grad():  # perturb every parameter shard (the tied embedding too)
-        g = torch.Generator().manual_seed(100 + rank)
-        for p in policy.model.parameters():
-            local = p.to_local()
-            local.add_(torch.randn(local.shape, generator=g) * 0.05)
-    stale = _max_diff(engine.prompt_logprobs(seqs), _policy_logprobs(policy, seqs))
-    engine.load_weights(full_parameters(policy.model, torch.float32, bucket_bytes=1 << 16))
-    after = _max_diff(engine.prompt_logprobs(seqs), _policy_logprobs(policy, seqs))
+    before, stale, after = perturb_and_resync(engine, policy, seqs, seed=100 + rank)
     # greedy generation follows the new policy's argmax, for this rank's own prompt
     greedy = engine.generate([seqs[0]], 1, [0], greedy=True)
     sample = greedy[0][0]

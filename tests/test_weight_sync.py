@@ -36,6 +36,21 @@ def _max_diff(engine_lp, policy_lp):
     return max(float(d.max()) for d in diffs)
 
 
+def perturb_and_resync(engine, policy, seqs, seed: int) -> tuple[float, float, float]:
+    """Max |engine - policy| logprob on `seqs` before a perturbation of every parameter shard (the
+    tied embedding too), after it, and after streaming the perturbed weights into the engine."""
+    before = _max_diff(engine.prompt_logprobs(seqs), _policy_logprobs(policy, seqs))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        for p in policy.model.parameters():
+            local = p.to_local()
+            local.add_(torch.randn(local.shape, generator=g) * 0.05)
+    stale = _max_diff(engine.prompt_logprobs(seqs), _policy_logprobs(policy, seqs))
+    engine.load_weights(full_parameters(policy.model, torch.float32, bucket_bytes=1 << 16))
+    after = _max_diff(engine.prompt_logprobs(seqs), _policy_logprobs(policy, seqs))
+    return before, stale, after
+
+
 def _worker(rank, world, model_dir, engine_name, out):
     cfg = DistflowConfig()
     cfg.rollout.engine = engine_name
@@ -43,15 +58,7 @@ def _worker(rank, world, model_dir, engine_name, out):
     engine = build_engine(model_dir, cfg.model, cfg.rollout, torch.device("cpu"), seed=0)
     policy = Policy(model_dir, cfg.model, cfg.optim, ParallelLayout.current(cfg.model))
     seqs = [[5 + rank, 17, 42, 99, 7, 64, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
-    before = _max_diff(engine.prompt_logprobs(seqs), _policy_logprobs(policy, seqs))
-    with torch.no_grad():  # perturb every parameter shard (the tied embedding too)
-        g = torch.Generator().manual_seed(100 + rank)
-        for p in policy.model.parameters():
-            local = p.to_local()
-            local.add_(torch.randn(local.shape, generator=g) * 0.05)
-    stale = _max_diff(engine.prompt_logprobs(seqs), _policy_logprobs(policy, seqs))
-    engine.load_weights(full_parameters(policy.model, torch.float32, bucket_bytes=1 << 16))
-    after = _max_diff(engine.prompt_logprobs(seqs), _policy_logprobs(policy, seqs))
+    before, stale, after = perturb_and_resync(engine, policy, seqs, seed=100 + rank)
     # generation uses the new weights too: greedy tokens follow the policy's argmax
     sample = engine.generate([seqs[0]], 1, [0], greedy=True)[0][0]
     with torch.no_grad():
