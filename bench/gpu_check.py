@@ -14,7 +14,8 @@ a machine with network and the same Python).
 
 Runs (each `torchrun --standalone --nproc_per_node=1 recipes/grpo.py`, rollout=hf, nccl):
   smoke_float32, smoke_bfloat16   the smoke experiment with the post-resync probe every step
-  smollm2_bfloat16                a few SmolLM2-135M steps: tokens/s, the step-time breakdown,
+  smollm2_bfloat16                a few SmolLM2-135M steps with activation checkpointing (and the
+                                  default chunked logprobs): tokens/s, the step-time breakdown,
                                   peak GPU memory (probe every step too)
 The JSON (default outputs/gpu_check/gpu_check.json) holds the machine, every run's exit
 status, wall time and figures, and the checks: fp32 probe <= 1e-5, bf16 probe below the
@@ -161,7 +162,7 @@ def main() -> int:
     runs[f"{model}_bfloat16"] = run(f"{model}_bfloat16", python, [
         f"model={model}", "task=arith_jsonl", "model.dtype=bfloat16", *device, *probe, f"trainer.steps={model_steps}",
         *shape, "algorithm.group_size=4", "rollout.max_prompt_tokens=128", "optim.micro_batch_size=16",
-        "optim.lr=1e-5"], out, a.timeout + 100)
+        "optim.lr=1e-5", "model.activation_checkpointing=true"], out, a.timeout + 100)
     sys.path.insert(0, str(ROOT / "src"))
     from distflow.rollout.weight_sync import PROBE_WARN_ABOVE
 
