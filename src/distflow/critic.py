@@ -7,15 +7,13 @@ transformers knows has a critic without distflow code per architecture.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from transformers import AutoConfig, AutoModelForTokenClassification
 
 from distflow.batch import TokenBatch
 from distflow.config import CriticConfig, ModelConfig, OptimConfig
 from distflow.layout import ParallelLayout
-from distflow.model_init import skeleton
+from distflow.model_init import initial_model
 from distflow.policy import ShardedModel, response_window_index
 
 
@@ -27,10 +25,8 @@ class Critic(ShardedModel):
         config.num_labels, config.classifier_dropout = 1, 0.0
         # The head's initial weights come from the global RNG inside from_pretrained; with meta
         # start-up only rank 0 runs it and the head is broadcast (every rank has the same seed).
-        load = functools.partial(AutoModelForTokenClassification.from_pretrained, model_path, config=config,
-                                 dtype=torch.float32, trust_remote_code=model_cfg.trust_remote_code)
-        model = skeleton(AutoModelForTokenClassification, config, model_cfg.trust_remote_code) \
-            if model_cfg.meta_device_init else load()
+        model, load = initial_model(AutoModelForTokenClassification, model_path, config, model_cfg.meta_device_init,
+                                    model_cfg.trust_remote_code)
         super().__init__(model, model_cfg, optim, layout, lr=critic.lr, warmup_steps=critic.lr_warmup_steps,
                          load_full=load)
 

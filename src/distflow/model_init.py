@@ -14,6 +14,7 @@ rank receives the same bytes (the full model, one tensor at a time) either way.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Callable
 
 import torch
@@ -28,6 +29,15 @@ def skeleton(auto_cls, config, trust_remote_code: bool = False) -> torch.nn.Modu
     head depends on it)."""
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
         return auto_cls.from_config(copy.deepcopy(config), dtype=torch.float32, trust_remote_code=trust_remote_code)
+
+
+def initial_model(auto_cls, model_path: str, config, meta_device: bool,
+                  trust_remote_code: bool = False) -> tuple[torch.nn.Module, Callable[[], torch.nn.Module]]:
+    """(model, load): `auto_cls`'s fp32 model for `config` from `model_path`, either loaded now or,
+    with `meta_device`, as a skeleton that ShardedModel fills by calling `load` on rank 0."""
+    load = functools.partial(auto_cls.from_pretrained, model_path, config=config, dtype=torch.float32,
+                             trust_remote_code=trust_remote_code)
+    return (skeleton(auto_cls, config, trust_remote_code) if meta_device else load()), load
 
 
 def is_meta(model: torch.nn.Module) -> bool:

@@ -8,7 +8,6 @@ ranks by FSDP; the loss code compensates with a global normaliser (see algorithm
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Callable
 
@@ -22,7 +21,7 @@ from distflow.config import ModelConfig, OptimConfig
 from distflow.devices import torch_dtype
 from distflow.distributed import all_reduce
 from distflow.layout import ParallelLayout
-from distflow.model_init import is_meta, materialize, skeleton
+from distflow.model_init import initial_model, is_meta, materialize
 from distflow.logprobs import chunked_stats, head_replaced, output_head, token_stats
 
 
@@ -135,14 +134,9 @@ class Policy(ShardedModel):
     def __init__(self, model_path: str, model_cfg: ModelConfig, optim: OptimConfig, layout: ParallelLayout,
                  trainable: bool = True):
         # fp32 master weights always; bf16/fp16 only as FSDP's compute dtype.
-        remote = model_cfg.trust_remote_code
-        load = functools.partial(AutoModelForCausalLM.from_pretrained, model_path, dtype=torch.float32,
-                                 trust_remote_code=remote)
-        if model_cfg.meta_device_init:  # rank 0 calls `load` once the skeleton is sharded
-            config = AutoConfig.from_pretrained(model_path, trust_remote_code=remote)
-            model = skeleton(AutoModelForCausalLM, config, remote)
-        else:
-            model = load()
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=model_cfg.trust_remote_code)
+        model, load = initial_model(AutoModelForCausalLM, model_path, config, model_cfg.meta_device_init,
+                                    model_cfg.trust_remote_code)
         super().__init__(model, model_cfg, optim, layout, trainable, load_full=load)
 
     def logprobs(self, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
