@@ -68,8 +68,10 @@ class ShardedModel:
             # wrapper module renames the parameters that checkpoints and the engine sync use.
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.logprob_chunk_tokens = model_cfg.logprob_chunk_tokens
-        if self.logprob_chunk_tokens and model.get_output_embeddings() is not None:
-            output_head(model)  # a head the chunked path cannot stand in for stops here, not mid-run
+        # The LM head the chunked logprob path stands in for, found (and refused if it cannot) here,
+        # not mid-run; fully_shard keeps the module, so it stays valid after sharding.
+        self.head = output_head(model) if self.logprob_chunk_tokens and model.get_output_embeddings() is not None \
+            else None
         for block in _decoder_blocks(model):
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -153,11 +155,10 @@ class Policy(ShardedModel):
         if self.logprob_chunk_tokens > 0:  # the head runs chunk by chunk (distflow.logprobs)
             def chunked_head(hidden: torch.Tensor) -> torch.Tensor:
                 window = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
-                return chunked_stats(window, head, targets, batch.resp_mask, temperature,
+                return chunked_stats(window, self.head, targets, batch.resp_mask, temperature,
                                      self.logprob_chunk_tokens, with_entropy)
 
-            head = output_head(self.model)
-            with head_replaced(head, chunked_head):
+            with head_replaced(self.head, chunked_head):
                 stats = self.model(**inputs).logits  # [B, R, 1 or 2]
             lp, entropy = stats[..., 0], (stats[..., 1] if with_entropy else None)
         else:  # [B, R, V] logits for the whole micro-batch
