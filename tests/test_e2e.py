@@ -23,11 +23,22 @@ ENGINES = [
 @pytest.mark.parametrize("engine", ENGINES)
 def test_smoke_experiment_runs_and_logs_every_step(tmp_path, engine):
     out = tmp_path / "run"
+    # The hf run also makes rank 1 a straggler from step 2 on (1.5 s late before each update).
+    slow = ["trainer.fault_inject='1:2+:sleep=1.5'", "trainer.straggler_warn_steps=2"] if engine == "hf" else []
     proc = torchrun(["experiment=smoke", f"rollout={engine}", f"trainer.output_dir={out}",
-                     "task.reward=rewards_for_tests:digit_fraction"])
+                     "task.reward=rewards_for_tests:digit_fraction", *slow])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert 0 <= r["timing/wait_min_s"] <= r["timing/wait_s"] < r["timing/step_s"], r
+        assert r["timing/compute_min_s"] <= r["timing/compute_s"] <= r["timing/step_s"], r
+        assert r["timing/update_min_s"] <= r["timing/update_s"] and r["timing/slowest_rank"] in (0, 1), r
+    if slow:  # rank 0 waits for rank 1 at the update's first collective: the wait shows, and who
+        for r in rows[1:]:
+            assert r["timing/wait_s"] >= 1.4 and r["timing/wait_s"] - r["timing/wait_min_s"] >= 1.0, r
+            assert r["timing/slowest_rank"] == 1 and r["timing/compute_s"] - r["timing/compute_min_s"] >= 1.0, r
+        assert "step 3: rank 1 was the slowest for 2 consecutive steps" in proc.stdout + proc.stderr
     for r in rows:
         missing = [k for k in REQUIRED_KEYS if k not in r]
         assert not missing, missing

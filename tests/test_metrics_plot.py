@@ -241,7 +241,8 @@ def _texts(ax) -> list[str]:
 def test_plot_full_run_with_validation_and_summary(tmp_path, drawn):
     import numpy as np
 
-    rows = [_row(s, **({"val/pass@1": s / 20} if s % 5 == 0 else {})) for s in range(1, 21)]
+    wait = {"timing/wait_s": 0.4, "timing/wait_min_s": 0.1}
+    rows = [_row(s, **wait, **({"val/pass@1": s / 20} if s % 5 == 0 else {})) for s in range(1, 21)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     (tmp_path / "summary.json").write_text(json.dumps({"heldout_pass1_before": 0.1, "heldout_pass1_after": 0.6}))
     paths = write_plots(str(tmp_path))
@@ -265,8 +266,10 @@ def test_plot_full_run_with_validation_and_summary(tmp_path, drawn):
     assert _lines(panels["response length"]) == {"mean": (steps, [10.0 + s for s in steps]),
                                                  "max": (steps, [16.0] * 20)}
     timing = panels["step time"]
-    assert timing.get_legend_handles_labels()[1] == PHASE_LABELS  # every phase, plus the unaccounted rest
+    # every phase, plus the unaccounted rest, and over them the waits
+    assert timing.get_legend_handles_labels()[1] == PHASE_LABELS + ["wait (most)", "wait (least)"]
     assert len(timing.collections) == len(PHASE_LABELS)
+    assert _lines(timing) == {"wait (most)": (steps, [0.4] * 20), "wait (least)": (steps, [0.1] * 20)}
     assert _lines(panels["throughput"]) == {"tokens/s": (steps, [100.0 * s for s in steps])}
     assert drawn[0].get_suptitle() == tmp_path.name
 

@@ -99,14 +99,16 @@ def exchange(outgoing: list[list[Any]], device: torch.device = torch.device("cpu
     send_sizes = [len(b) for b in blobs]
     send_counts = torch.tensor(send_sizes, dtype=torch.int64, device=device)
     recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts)
+    with dd.waiting():
+        dist.all_to_all_single(recv_counts, send_counts)
     recv_sizes = recv_counts.tolist()
 
     payload = b"".join(blobs)
     send_buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload
                 else torch.empty(0, dtype=torch.uint8)).to(device)
     recv_buf = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
-    dist.all_to_all_single(recv_buf, send_buf, output_split_sizes=recv_sizes, input_split_sizes=send_sizes)
+    with dd.waiting():
+        dist.all_to_all_single(recv_buf, send_buf, output_split_sizes=recv_sizes, input_split_sizes=send_sizes)
 
     data = recv_buf.cpu().numpy().tobytes()
     incoming: list[list[Any]] = []
@@ -128,7 +130,8 @@ def _gather_costs(costs: list[int], device: torch.device) -> list[list[int]]:
     if costs:
         row[1:len(costs) + 1] = torch.tensor(costs, dtype=torch.int64)
     rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, row)
+    with dd.waiting():
+        dist.all_gather(rows, row)
     out = []
     for t in rows:
         vals = t.tolist()

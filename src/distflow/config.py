@@ -190,6 +190,9 @@ class TrainerConfig:
     # SmolLM2 step on CPU), so not every step by default.
     sync_probe_every: int = 10
     progress_bar: bool = True
+    # Warn when the same rank has the most compute time (step minus timing/wait_s) for this many
+    # consecutive steps and is >10% slower than the fastest (a slow node); 0 = never warn.
+    straggler_warn_steps: int = 5
     # Host memory blocks of at least this many KiB get their own mapping, handed back to the OS
     # when freed (glibc's M_MMAP_THRESHOLD, distflow.hostmem); 0 = glibc's default, which climbs
     # to 32 MiB and keeps freed activations resident (~1.5 GB per SmolLM2 rank, bench/memory.py).
@@ -222,9 +225,10 @@ class TrainerConfig:
     val_before_train: bool = False
     val_at_end: bool = False
     val_pass_k: int = 0  # 0 = greedy pass@1 only
-    # Test-only fault injection: "RANK:STEP[:kill|raise|nan|kill_saving]" fails that rank during
-    # that step ("STEP+": that step and every later one; nan makes the rank's loss NaN;
-    # kill_saving kills it in the middle of that step's checkpoint write).
+    # Test-only fault injection: "RANK:STEP[:kill|raise|nan|kill_saving|sleep=S]" fails that rank
+    # during that step ("STEP+": that step and every later one; nan makes the rank's loss NaN;
+    # sleep=S delays the rank S seconds before its update; kill_saving kills it in the middle of
+    # that step's checkpoint write).
     fault_inject: str = ""
 
 
@@ -258,6 +262,7 @@ class DistflowConfig:
             (self.trainer.steps >= 0, "trainer.steps must be >= 0"),
             (self.trainer.sync_probe_every >= 1, "trainer.sync_probe_every must be >= 1"),
             (self.trainer.max_nonfinite_steps >= 1, "trainer.max_nonfinite_steps must be >= 1"),
+            (self.trainer.straggler_warn_steps >= 0, "trainer.straggler_warn_steps must be >= 0 (0 = never warn)"),
             (0 <= self.trainer.host_mmap_threshold_kib <= 32 * 1024,
              f"trainer.host_mmap_threshold_kib must be 0 (glibc's default) to 32768 (glibc's maximum), "
              f"got {self.trainer.host_mmap_threshold_kib}"),

@@ -3,12 +3,19 @@
 Every rank runs the same program (SPMD). The process group is created before anything else,
 because the vLLM engine (external_launcher) and FSDP2 both reuse it. All cross-rank traffic
 outside FSDP goes through the helpers below, so it can be counted and reasoned about.
+
+Each helper also runs under `waiting()`, which adds its wall time to this process's wait clock:
+a rank that reaches a collective first blocks there until the last one arrives, so on the
+small payloads distflow sends this is the time the rank waited for its peers (the trainer
+reports it per step as timing/wait_s). FSDP's own collectives are not on the clock.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +92,29 @@ def _attempt_store(world: int, timeout: datetime.timedelta) -> dist.Store | None
     return dist.PrefixStore(f"distflow/attempt_{attempt}", base)
 
 
+_waited_s = 0.0  # this process's wait clock
+_depth = 0  # nesting of waiting() blocks
+
+
+@contextmanager
+def waiting():
+    """Adds the block's wall time to the wait clock (`waited_s`); nested blocks count once."""
+    global _waited_s, _depth
+    _depth += 1
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        _depth -= 1
+        if _depth == 0:
+            _waited_s += time.perf_counter() - start
+
+
+def waited_s() -> float:
+    """Seconds this process has spent in distflow's collectives so far (monotonic)."""
+    return _waited_s
+
+
 def all_reduce(values: torch.Tensor | list[float] | float, op: str = "sum") -> torch.Tensor:
     """All-reduce a small float64 vector on CPU-equivalent semantics; returns a new CPU tensor.
 
@@ -96,7 +126,8 @@ def all_reduce(values: torch.Tensor | list[float] | float, op: str = "sum") -> t
     if dist.get_backend() == "nccl":
         t = t.cuda()
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-    dist.all_reduce(t, op=ops[op])
+    with waiting():
+        dist.all_reduce(t, op=ops[op])
     return t.cpu()
 
 
@@ -105,13 +136,15 @@ def broadcast_object(obj):
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    with waiting():
+        dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        with waiting():
+            dist.barrier()
 
 
 def shutdown() -> None:

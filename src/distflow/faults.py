@@ -1,10 +1,12 @@
-"""Test-only fault injection (trainer.fault_inject): how the tests make a rank die, raise or
-produce NaN losses at a chosen step of a real run, or die in the middle of a checkpoint write."""
+"""Test-only fault injection (trainer.fault_inject): how the tests make a rank die, raise, lag
+behind the others or produce NaN losses at a chosen step of a real run, or die in the middle of a
+checkpoint write."""
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Callable
 
 import torch
@@ -22,12 +24,16 @@ def _hit(spec: str, rank: int, step: int) -> str | None:
 
 
 def inject_fault(spec: str, rank: int, step: int, batch: UpdateBatch) -> UpdateBatch:
-    """Test-only: trainer.fault_inject="RANK:STEP[:kill|raise|nan|kill_saving]" fails that rank
-    during that step ("STEP+" = that step and every later one), on the first attempt only
+    """Test-only: trainer.fault_inject="RANK:STEP[:kill|raise|nan|kill_saving|sleep=S]" fails that
+    rank during that step ("STEP+" = that step and every later one), on the first attempt only
     (torchrun restarts set TORCHELASTIC_RESTART_COUNT). `nan` poisons the rank's advantages, so
-    its loss is NaN; `kill_saving` is `save_fault`'s."""
+    its loss is NaN; `sleep=S` makes the rank S seconds slower before its update (a straggler the
+    others wait for); `kill_saving` is `save_fault`'s."""
     mode = _hit(spec, rank, step)
     if mode in (None, "kill_saving"):
+        return batch
+    if mode.startswith("sleep="):
+        time.sleep(float(mode.removeprefix("sleep=")))
         return batch
     if mode == "nan":
         return batch.with_(advantages=torch.full_like(batch.advantages, float("nan")))

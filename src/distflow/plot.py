@@ -5,7 +5,9 @@ Reads <output_dir>/metrics.jsonl (and summary.json when present) and writes
 
   reward       reward/mean per step, val/pass@1 points, held-out pass@1 before/after training
   length       response_length/mean and response_length/max
-  step time    stacked timing/* phases (generate, reward, logprob, update, sync, probe, other)
+  step time    stacked timing/* phases (generate, reward, logprob, update, sync, probe, other) of
+               the slowest rank, and over them the time ranks spent waiting for each other in
+               collectives (timing/wait_s, the rank that waited longest; wait_min_s, the least)
   throughput   throughput/tokens_per_s
 
 Missing keys leave their panel (or line) empty; a single step is drawn as points/bars.
@@ -131,6 +133,9 @@ def _timing_panel(ax, rows) -> None:
             bottom += layers[p][0]
     else:
         ax.stackplot(steps, *[layers[p] for p in present], labels=[p.removesuffix("_s") for p in present])
+    # Waiting is part of the phases above (a rank blocks inside them): drawn over them, not stacked.
+    _line(ax, *_series(rows, "timing/wait_s"), "wait (most)", color="black", linestyle="--")
+    _line(ax, *_series(rows, "timing/wait_min_s"), "wait (least)", color="gray", linestyle=":")
     ax.set_title("step time")
     ax.set_ylabel("seconds")
 

@@ -89,10 +89,13 @@ def step_report(cfg: DistflowConfig, step: int, samples: list[Sample], rewards: 
         **{f"reward/{k}": v for k, v in stats.reward_failures.items()},
         **{f"upd/{f.name}": getattr(s, f.name) for f in fields(s)},
     }
+    timing = with_compute(timing)
     maxima = {f"timing/{k}_s": v for k, v in timing.items()}
-    maxima.update({"response_length/max": float(max(resp_lens)), "sync/max_abs_logprob_diff": probe,
+    maxima.update({"timing/slowest_rank": slowest_rank_code(timing["compute"]),
+                   "response_length/max": float(max(resp_lens)), "sync/max_abs_logprob_diff": probe,
                    "dynamic_sampling/rounds": float(stats.rounds), **gpu_memory()})
-    g = reduce_step_metrics(sums, maxima, {"timing/update_min_s": timing.get("update", 0.0)})
+    g = reduce_step_metrics(sums, maxima, {f"timing/{k}_min_s": v for k, v in timing.items()})
+    g["timing/slowest_rank"] = float(int(g["timing/slowest_rank"]) % _world_size())
     n, trained = max(g["samples"], 1.0), max(g["upd/tokens"], 1.0)
     out = {
         "step": step,
@@ -135,6 +138,52 @@ def step_report(cfg: DistflowConfig, step: int, samples: list[Sample], rewards: 
         out["dynamic_sampling/rounds"] = g["dynamic_sampling/rounds"]
         out["update/skipped"] = float(upd.skipped)
     return out
+
+
+def with_compute(timing: dict[str, float]) -> dict[str, float]:
+    """The phase times plus wait (seconds blocked in distflow's collectives, 0 if not measured)
+    and compute = step - wait: the part of the step that was this rank's own work."""
+    out = {**timing, "wait": timing.get("wait", 0.0)}
+    out["compute"] = max(out.get("step", 0.0) - out["wait"], 0.0)
+    return out
+
+
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def slowest_rank_code(compute_s: float) -> float:
+    """This rank's compute time in whole milliseconds with its rank number folded in, so that the
+    maxima's all_reduce alone finds the slowest rank: max(code) % world is its rank (ties go to the
+    highest rank). float64 holds it exactly below 2**53 / world ms (centuries per step)."""
+    dist = torch.distributed
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return float(round(compute_s * 1000.0) * _world_size() + rank)
+
+
+class StragglerWatch:
+    """Names a rank that is the slowest (most compute time, waits excluded) for `steps`
+    consecutive steps and at least `margin` slower than the fastest: on a cluster a slow node
+    (thermal throttling, a bad link, a noisy neighbour) holds every step back, and the metric
+    alone is easy to miss. One warning per streak; steps=0 turns it off."""
+
+    def __init__(self, steps: int, margin: float = 0.1):
+        self.steps, self.margin = steps, margin
+        self.rank, self.streak = -1, 0
+
+    def observe(self, metrics: dict[str, float]) -> str | None:
+        rank = int(metrics.get("timing/slowest_rank", -1))
+        slow, fast = metrics.get("timing/compute_s", 0.0), metrics.get("timing/compute_min_s", 0.0)
+        if rank < 0 or slow <= fast * (1 + self.margin):
+            self.rank, self.streak = -1, 0
+            return None
+        self.streak = self.streak + 1 if rank == self.rank else 1
+        self.rank = rank
+        if self.steps and self.streak == self.steps:
+            return (f"rank {rank} was the slowest for {self.streak} consecutive steps (last step: {slow:.2f} s of "
+                    f"its own work vs {fast:.2f} s on the fastest rank); every rank waits for it")
+        return None
 
 
 def gpu_memory() -> dict[str, float]:

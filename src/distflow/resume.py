@@ -42,7 +42,7 @@ OPERATIONAL_KEYS = frozenset({
     "trainer.log_level", "trainer.max_nonfinite_steps", "trainer.loggers", "trainer.wandb_project",
     "trainer.plot_at_end", "trainer.checkpoint_every", "trainer.checkpoint_every_s", "trainer.checkpoint_at_end",
     "trainer.keep_last", "trainer.resume", "trainer.export_at_end", "trainer.fault_inject",
-    "trainer.host_mmap_threshold_kib",
+    "trainer.host_mmap_threshold_kib", "trainer.straggler_warn_steps",
 })
 # What a run writes into its output folder (the launchers' own files, e.g. logs/<job>-<node>.log
 # and launch.txt, belong to the current launch and stay).

@@ -34,7 +34,7 @@ from distflow.critic import Critic
 from distflow.data.prompts import load_prompts
 from distflow.data.sampler import ShardedSampler
 from distflow.devices import resolve_auto
-from distflow.distributed import all_reduce, barrier, broadcast_object, init_distributed, shutdown
+from distflow.distributed import all_reduce, barrier, broadcast_object, init_distributed, shutdown, waited_s
 from distflow.evaluation import evaluate
 from distflow.export import export_live
 from distflow.faults import inject_fault, save_fault
@@ -45,7 +45,7 @@ from distflow.models import resolve_on_local_rank0_first
 from distflow.output import save_config, setup_output
 from distflow.policy import Policy
 from distflow.preemption import StepBoundary, Stopped, StopSignal, write_stop_file
-from distflow.reporting import UpdateResult, run_summary, step_report, timed
+from distflow.reporting import StragglerWatch, UpdateResult, run_summary, step_report, timed
 from distflow.resume import ResumePlan, config_record, plan_resume
 from distflow.rewards.pool import RewardPool
 from distflow.rollout import Sample, build_engine
@@ -122,6 +122,7 @@ class Trainer:
         self.logger = MetricLogger(t.output_dir, self.dist.is_main, t.steps, t.progress_bar, loggers=t.loggers,
                                    run_config=cfg, project=t.wandb_project, history=self.history)
         self.boundary = StepBoundary(t.checkpoint_every, t.checkpoint_every_s, t.checkpoint_at_end)
+        self.stragglers = StragglerWatch(t.straggler_warn_steps)
 
     # ----------------------------------------------------------------- the loop
     def train(self) -> None:
@@ -141,6 +142,8 @@ class Trainer:
                 metrics.update(self.evaluations["after"])
             self.history.append(metrics)
             self.logger.log(metrics)
+            if note := self.stragglers.observe(metrics):
+                log.warning(f"step {self.step}: {note}")
             self.check_finite_streak()
             if self.end_step():
                 return
@@ -148,7 +151,7 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         timing: dict[str, float] = {}
-        t0 = time.perf_counter()
+        t0, waited0 = time.perf_counter(), waited_s()
         rollouts, pending = self.rollout(timing)
         self.engine.sleep()
         batch = UpdateBatch.from_samples(rollouts.samples, self.pad_id, self.layout.device,
@@ -169,6 +172,7 @@ class Trainer:
         with timed(timing, "probe"):
             probe = self.probe_sync(rollouts.samples)
         timing["step"] = time.perf_counter() - t0
+        timing["wait"] = waited_s() - waited0  # blocked in distflow's collectives, waiting for peers
         return step_report(self.cfg, self.step, rollouts.samples, rewards, len(rollouts.items), rollouts.stats,
                            result, timing, probe, self.policy.lr)
 

@@ -20,6 +20,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from distflow.distributed import waiting
 from distflow.rollout.base import RolloutEngine, Sample
 
 
@@ -32,7 +33,8 @@ class EngineGroup:
 
     def _gather(self, request: tuple) -> list[tuple]:
         parts: list = [None] * self.size
-        dist.all_gather_object(parts, request, group=self.group)
+        with waiting():
+            dist.all_gather_object(parts, request, group=self.group)
         if len({p[0] for p in parts}) != 1:  # the call's options, which must agree across the group
             raise RuntimeError(f"the ranks of a tensor-parallel engine group made different calls: {[p[0] for p in parts]}")
         return parts
