@@ -5,7 +5,9 @@ with counters, then attributes each call to whoever called the collective direct
 
   distflow   a file of the distflow package (distflow.distributed's helpers: all_reduce,
              broadcast_object, barrier) -- the traffic the benchmark is about
-  fsdp       torch/distributed/fsdp: FSDP2's parameter all-gathers and gradient reduce-scatters
+  fsdp       torch/distributed/fsdp: FSDP2's parameter all-gathers and gradient reduce-scatters,
+             and distflow.grad_sync's bucketed gradient all-reduce of replicas (the traffic
+             FSDP2's native HSDP all-reduce would carry otherwise)
   dtensor    torch/distributed/tensor: DTensor redistributes -- the weight-sync full_tensor()
              gathers, and clip_grad_norm_'s scalar reduce over DTensor shards
   vllm       vLLM (its external_launcher engine shares the process group)
@@ -103,6 +105,8 @@ def _kw(kwargs: dict, *names: str):
 
 def _category(filename: str) -> str:
     f = filename.replace("\\", "/")
+    if DISTFLOW_DIR and f == DISTFLOW_DIR + "grad_sync.py":
+        return "fsdp"
     if DISTFLOW_DIR and f.startswith(DISTFLOW_DIR):
         return "distflow"
     for key, cat in (("torch/distributed/fsdp", "fsdp"), ("torch/distributed/tensor", "dtensor"),

@@ -1,5 +1,7 @@
-"""Update-phase levers, A/B in one run: the optimizer implementation (fused AdamW vs foreach) and
-when replicas all-reduce gradients (once per mini-batch vs after every micro-batch).
+"""Update-phase levers, A/B in one run: the optimizer implementation (fused AdamW vs foreach), when
+replicas all-reduce gradients (once per mini-batch vs after every micro-batch) and how (FSDP2's
+native HSDP all-reduce, block by block inside backward, vs distflow's bucketed reducer that
+overlaps the buckets with the rest of backward).
 
 Each configuration runs under `torchrun --standalone --nproc_per_node N` with the model recipe's
 FSDP layout (the built-in models replicate: `model.shard_ranks=1`). Every rank builds the FSDP2
@@ -7,9 +9,13 @@ policy and a fixed batch of arithmetic-sized sequences, then times one optimizer
 (`update.backward_policy_loss` over the rank's micro-batches + `Policy.step`), slowest rank,
 cycling through the variants so machine noise hits all of them alike:
 
-    baseline   foreach AdamW, gradients all-reduced after every micro-batch (distflow before)
-    fused      fused AdamW,   gradients all-reduced after every micro-batch
-    default    fused AdamW,   gradients all-reduced once per mini-batch (distflow now)
+    baseline   foreach AdamW, native all-reduce after every micro-batch (distflow at first)
+    fused      fused AdamW,   native all-reduce after every micro-batch
+    fsdp       fused AdamW,   native all-reduce once per mini-batch (model.replica_grad_sync=fsdp)
+    default    fused AdamW,   bucketed all-reduce once per mini-batch, overlapped (distflow now)
+
+The first three share one policy, `default` has its own (same weights): the all-reduce path is
+fixed when a policy is sharded. With one process there is no all-reduce: fsdp = default.
 
     .venv/bin/python bench/update.py                          # tiny + smollm2_135m, 1 and 2 processes
     .venv/bin/python bench/update.py --models smollm2_135m --nprocs 2 --iters 6
@@ -24,7 +30,7 @@ import statistics
 import sys
 import time
 
-VARIANTS = ("baseline", "fused", "default")
+VARIANTS = ("baseline", "fused", "fsdp", "default")
 
 
 def worker(a) -> None:
@@ -45,7 +51,12 @@ def worker(a) -> None:
     cfg.model.shard_ranks = C.recipe_shard_ranks(a.model)
     cfg.optim.micro_batch_size, cfg.optim.lr = a.micro_batch_size, 1e-6
     info = init_distributed("gloo", "cpu")
-    policy = Policy(resolve_model_path(a.model), cfg.model, cfg.optim, ParallelLayout.from_config(cfg.model, info))
+    policies = {}
+    for sync in ("fsdp", "bucketed"):
+        cfg.model.replica_grad_sync = sync
+        policies[sync] = Policy(resolve_model_path(a.model), cfg.model, cfg.optim,
+                                ParallelLayout.from_config(cfg.model, info))
+    policy = policies["fsdp"]
     vocab = policy.model.config.vocab_size
     g = torch.Generator().manual_seed(1000 + info.rank)
     samples = []
@@ -61,11 +72,14 @@ def worker(a) -> None:
     params = list(policy.model.parameters())
     optimizers = {"fused": policy.optimizer,
                   "foreach": torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, foreach=True)}
-    every_pass = policy.all_reduce_gradients
+    sync = policy.all_reduce_gradients  # (enabled): whether the next backward all-reduces
 
     def one_update(variant: str) -> float:
-        policy.optimizer = optimizers["foreach" if variant == "baseline" else "fused"]
-        policy.all_reduce_gradients = (lambda enabled: every_pass(True)) if variant != "default" else every_pass
+        nonlocal policy
+        policy = policies["bucketed" if variant == "default" else "fsdp"]
+        if variant != "default":
+            policy.optimizer = optimizers["foreach" if variant == "baseline" else "fused"]
+            policy.all_reduce_gradients = sync if variant == "fsdp" else (lambda enabled: sync(True))
         barrier()
         t0 = time.perf_counter()
         sums = backward_policy_loss(policy, batch, rows, cfg, pad_id=0)
@@ -119,7 +133,8 @@ def main() -> None:
                    "seqs_per_rank": r["seqs_per_rank"], "micro_batch_size": r["micro_batch_size"],
                    "tokens_per_rank": r["tokens_per_rank"], "iters": iters, "median_s": med,
                    "speedup_fused": med["baseline"]["update_s"] / med["fused"]["update_s"],
-                   "speedup_default": med["baseline"]["update_s"] / med["default"]["update_s"], "raw": r}
+                   "speedup_default": med["baseline"]["update_s"] / med["default"]["update_s"],
+                   "speedup_bucketed": med["fsdp"]["update_s"] / med["default"]["update_s"], "raw": r}
             records.append(rec)
             for v in VARIANTS:
                 rows.append([model, nproc, v, med[v]["backward_s"], med[v]["optimizer_s"], med[v]["update_s"],

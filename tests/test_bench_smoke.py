@@ -106,7 +106,7 @@ def test_update_smoke(tmp_path):
     for variant in out["variants"]:
         for key in ("backward_s", "optimizer_s", "update_s"):
             assert _positive(rec["median_s"][variant][key]), (variant, key)
-    assert _positive(rec["speedup_fused"]) and _positive(rec["speedup_default"])
+    assert _positive(rec["speedup_fused"]) and _positive(rec["speedup_default"]) and _positive(rec["speedup_bucketed"])
 
 
 def test_update_memory_smoke(tmp_path):

@@ -80,11 +80,12 @@ def test_sharded_loss_and_gradients_equal_single_process(tiny_model_dir, tmp_pat
         assert_grads_close(g1, g2, 1e-5, key)
 
 
-def _count_replica_all_reduces(rank, world, model_dir, out_path):
-    """backward_policy_loss over several micro-batches on a replicated mesh, counting FSDP's
-    gradient all-reduces across replicas (all_reduce calls made from inside torch's FSDP package)."""
+def _count_replica_all_reduces(rank, world, model_dir, out_path, sync):
+    """backward_policy_loss over several micro-batches on a replicated mesh, counting the gradient
+    all-reduces across replicas (all_reduce calls made from inside torch's FSDP package, or from
+    distflow's bucketed reducer)."""
     cfg = DistflowConfig()
-    cfg.model.shard_ranks = 1
+    cfg.model.shard_ranks, cfg.model.replica_grad_sync, cfg.model.grad_bucket_mib = 1, sync, 0.05
     cfg.optim.micro_batch_size = 1
     policy = Policy(model_dir, cfg.model, cfg.optim, ParallelLayout.current(cfg.model))
     samples, adv, _ = fixed_batch()
@@ -93,7 +94,9 @@ def _count_replica_all_reduces(rank, world, model_dir, out_path):
     real_all_reduce = torch.distributed.all_reduce
 
     def counting(tensor, *args, **kwargs):
-        if "fsdp" in sys._getframe(1).f_globals.get("__name__", ""):
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        across = torch.distributed.get_world_size(kwargs.get("group")) > 1  # not a one-rank mesh's own group
+        if across and any(m in caller for m in ("fsdp", "distflow.grad_sync")):
             calls.append(tensor.numel())
         return real_all_reduce(tensor, *args, **kwargs)
 
@@ -107,10 +110,11 @@ def _count_replica_all_reduces(rank, world, model_dir, out_path):
         torch.save({"calls": calls, "n_params": n_params}, out_path)
 
 
-def test_replicated_gradients_cross_ranks_once_per_mini_batch(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("sync", ["bucketed", "fsdp"])
+def test_replicated_gradients_cross_ranks_once_per_mini_batch(tiny_model_dir, tmp_path, sync):
     """4 micro-batches per rank, yet every gradient is all-reduced exactly once: accumulation
     stays local until the mini-batch's last backward."""
-    run_distributed(_count_replica_all_reduces, 2, tiny_model_dir, str(tmp_path / "calls.pt"))
+    run_distributed(_count_replica_all_reduces, 2, tiny_model_dir, str(tmp_path / "calls.pt"), sync)
     out = torch.load(tmp_path / "calls.pt", weights_only=True)
     assert out["calls"], "no all-reduce across replicas was seen"
     assert sum(out["calls"]) == out["n_params"], out

@@ -45,6 +45,9 @@ def test_every_recipe_config_composes_and_validates(group, name):
     ("trainer.checkpoint_every=-2", "trainer.checkpoint_every and trainer.checkpoint_every_s must be >= 0"),
     ("trainer.host_mmap_threshold_kib=-1", "trainer.host_mmap_threshold_kib must be 0"),
     ("trainer.host_mmap_threshold_kib=65536", "trainer.host_mmap_threshold_kib must be 0"),
+    ("model.replica_grad_sync=ddp", "model.replica_grad_sync must be bucketed or fsdp"),
+    ("model.grad_bucket_mib=0", "model.grad_bucket_mib must be > 0"),
+    ("trainer.straggler_warn_steps=-1", "trainer.straggler_warn_steps must be >= 0"),
 ])
 def test_out_of_range_performance_knobs_are_rejected(override, needle):
     from distflow.config import ConfigError

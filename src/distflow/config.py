@@ -30,6 +30,12 @@ class ModelConfig:
     # (HSDP). -1 = all ranks (plain FSDP); 1 = full replicas, gradients all-reduced (DDP-like).
     # null = -1 for a model you name, 1 for the built-in small models (distflow.devices).
     shard_ranks: Optional[int] = None
+    # How full replicas (shard_ranks=1 on 2+ ranks) average gradients. bucketed: distflow's reducer
+    # all-reduces buckets of grad_bucket_mib asynchronously while backward goes on, as torch's
+    # DDP does (distflow.grad_sync); fsdp: FSDP2's native HSDP all-reduce, block by block, each
+    # waited for inside backward. The same gradients either way (to float rounding).
+    replica_grad_sync: str = "bucketed"
+    grad_bucket_mib: float = 25.0  # fractions allowed
     # Build the policy, reference and critic on the meta device and fill their shards from one
     # copy read by global rank 0 (distflow.model_init); false = every rank reads the full model.
     meta_device_init: bool = True
@@ -277,6 +283,9 @@ class DistflowConfig:
              f"model.dtype must be auto, float32 or bfloat16, got {self.model.dtype!r}"),
             (self.model.shard_ranks is None or self.model.shard_ranks == -1 or self.model.shard_ranks >= 1,
              f"model.shard_ranks must be -1 (all ranks) or >= 1 (or null), got {self.model.shard_ranks}"),
+            (self.model.replica_grad_sync in ("bucketed", "fsdp"),
+             f"model.replica_grad_sync must be bucketed or fsdp, got {self.model.replica_grad_sync!r}"),
+            (self.model.grad_bucket_mib > 0, f"model.grad_bucket_mib must be > 0, got {self.model.grad_bucket_mib}"),
             (self.model.logprob_chunk_tokens >= 0,
              f"model.logprob_chunk_tokens must be >= 0 (0 = unchunked), got {self.model.logprob_chunk_tokens}"),
             (r.kv_cache_gib > 0, f"rollout.kv_cache_gib must be > 0, got {r.kv_cache_gib}"),

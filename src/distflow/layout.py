@@ -12,6 +12,11 @@ all take their FSDP2 mesh from here instead of building process groups of their 
                                  tensor-parallel vLLM engine (rollout.tensor_parallel_size; the
                                  same grouping vLLM's external launcher makes); 1 = every rank owns
                                  a whole engine.
+
+Full replicas (shard = 1, replicate > 1) average their gradients either through FSDP2's native
+HSDP all-reduce or, with model.replica_grad_sync=bucketed (the default), through distflow's
+bucketed reducer (distflow.grad_sync): then each model is sharded over a one-rank mesh and the
+reducer's all-reduces run over `replica_group`.
 """
 
 from __future__ import annotations
@@ -35,12 +40,13 @@ class ParallelLayout:
     device: torch.device
     shard: int  # FSDP shard degree (model.shard_ranks, -1 resolved to the world size)
     engine_tp: int = 1  # ranks per rollout engine (rollout.tensor_parallel_size)
+    replica_grad_sync: str = "bucketed"  # model.replica_grad_sync: bucketed | fsdp
 
     @classmethod
     def from_config(cls, model: ModelConfig, dist: DistInfo, engine_tp: int = 1) -> "ParallelLayout":
         ranks = shard_ranks(model)  # null: -1 for a model you name, 1 for the built-in small ones
         shard = dist.world_size if ranks == -1 else ranks
-        layout = cls(dist.world_size, dist.rank, dist.device, shard, engine_tp)
+        layout = cls(dist.world_size, dist.rank, dist.device, shard, engine_tp, model.replica_grad_sync)
         layout.validate()
         if problem := tensor_parallel_problem(engine_tp, attention_heads(model.path, model.trust_remote_code)):
             raise ConfigError(f"rollout.tensor_parallel_size={engine_tp}: {problem} ({model.path})")
@@ -67,6 +73,11 @@ class ParallelLayout:
         return self.world_size // self.shard
 
     @property
+    def bucketed_replicas(self) -> bool:
+        """Full replicas whose gradients distflow's bucketed reducer averages (distflow.grad_sync)."""
+        return self.shard == 1 and self.replicate > 1 and self.replica_grad_sync == "bucketed"
+
+    @property
     def engine_ranks(self) -> list[int]:
         """The ranks that drive this rank's engine: `engine_tp` consecutive ranks, this one among them."""
         first = self.rank - self.rank % self.engine_tp
@@ -87,7 +98,18 @@ class ParallelLayout:
 
     @functools.cached_property
     def fsdp_mesh(self) -> DeviceMesh:
-        """FSDP2's mesh, built once: 1-D over all ranks, or 2-D (replicate, shard) for HSDP."""
+        """FSDP2's mesh, built once: 1-D over all ranks, 2-D (replicate, shard) for HSDP, or this
+        rank alone for replicas whose gradients the bucketed reducer averages."""
         if self.shard == self.world_size:
             return init_device_mesh(self.device.type, (self.world_size,))
-        return init_device_mesh(self.device.type, (self.replicate, self.shard), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(self.device.type, (self.replicate, self.shard), mesh_dim_names=("replicate", "shard"))
+        return mesh["shard"] if self.bucketed_replicas else mesh
+
+    @functools.cached_property
+    def replica_group(self):
+        """A process group over all ranks for the bucketed reducer's all-reduces, so they never
+        interleave with other collectives of the default group. Collective to create: every rank
+        builds its models at the same point."""
+        import torch.distributed as dist
+
+        return dist.new_group(backend="nccl" if self.device.type == "cuda" else "gloo")

@@ -3,7 +3,8 @@
 
 `fully_shard` wraps each decoder block and then the root, so parameters live as DTensor shards
 and are all-gathered one block at a time in forward/backward. Gradients are averaged over
-ranks by FSDP; the loss code compensates with a global normaliser (see algorithms.losses).
+ranks by FSDP (or, for replicas, by distflow.grad_sync); the loss code compensates with a global
+normaliser (see algorithms.losses).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from distflow.batch import TokenBatch
 from distflow.config import ModelConfig, OptimConfig
 from distflow.devices import torch_dtype
 from distflow.distributed import all_reduce
+from distflow.grad_sync import ReplicaGradReducer
 from distflow.layout import ParallelLayout
 from distflow.model_init import initial_model, is_meta, materialize
 from distflow.logprobs import chunked_stats, head_replaced, output_head, token_stats
@@ -33,6 +35,14 @@ def _decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     if layers is None:
         raise ValueError(f"cannot find the decoder blocks of {type(model).__name__} to shard")
     return list(layers)
+
+
+def _backward_order(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> list[torch.nn.Parameter]:
+    """The parameters in the order FSDP2 finishes their gradients: the last decoder block's first,
+    the root's own (embeddings, final norm, a head) last, in its final post-backward callback."""
+    in_blocks = [p for b in reversed(blocks) for p in b.parameters()]
+    seen = {id(p) for p in in_blocks}
+    return in_blocks + [p for p in model.parameters() if id(p) not in seen]
 
 
 def response_window_index(batch: TokenBatch) -> torch.Tensor:
@@ -72,15 +82,20 @@ class ShardedModel:
         # not mid-run; fully_shard keeps the module, so it stays valid after sharding.
         self.head = output_head(model) if self.logprob_chunk_tokens and model.get_output_embeddings() is not None \
             else None
-        for block in _decoder_blocks(model):
+        blocks = _decoder_blocks(model)
+        for block in blocks:
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
         self.model = materialize(model, device, load_full) if is_meta(model) else model.to(device)
         self.model.train()
+        self.reducer: ReplicaGradReducer | None = None
         if not trainable:
             self.model.requires_grad_(False)
             self.optimizer = self.scheduler = None
             return
+        if layout.bucketed_replicas:
+            self.reducer = ReplicaGradReducer(_backward_order(self.model, blocks), layout.replica_group,
+                                              int(model_cfg.grad_bucket_mib * 2**20))
         # fused: one kernel over all parameters, about 2x faster than foreach for SmolLM2-135M on
         # CPU (bench/update.py); works on DTensor shards and on CUDA alike.
         self.optimizer = torch.optim.AdamW(
@@ -104,11 +119,14 @@ class ShardedModel:
 
     def all_reduce_gradients(self, enabled: bool) -> None:
         """Whether the next backward all-reduces gradients across replicas (HSDP's replicate
-        dimension). Off for all but a mini-batch's last micro-batch: gradients accumulate
+        dimension, or the bucketed reducer's buckets). Off for all but a mini-batch's last micro-batch: gradients accumulate
         locally and cross the link once per optimizer step, not once per micro-batch. Shards
         are still reduce-scattered every pass, so memory does not grow; on a plain FSDP mesh
         there is no replicate dimension and this changes nothing."""
-        self.model.set_requires_all_reduce(enabled, recurse=True)
+        if self.reducer is not None:
+            self.reducer.enabled = enabled
+        else:
+            self.model.set_requires_all_reduce(enabled, recurse=True)
 
     def step(self, loss: float) -> tuple[float, bool]:
         """Clip gradients and take one optimizer step, unless this rank's `loss` or the global

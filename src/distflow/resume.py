@@ -31,7 +31,8 @@ from distflow.config import ConfigError, DistflowConfig
 # logs, how often it saves. Everything else in the config names the run.
 OPERATIONAL_KEYS = frozenset({
     "model.dtype", "model.shard_ranks", "model.trust_remote_code", "model.meta_device_init",
-    "model.activation_checkpointing", "model.logprob_chunk_tokens",
+    "model.activation_checkpointing", "model.logprob_chunk_tokens", "model.replica_grad_sync",
+    "model.grad_bucket_mib",
     "rollout.engine", "rollout.kv_cache_gib", "rollout.gpu_memory_utilization", "rollout.enforce_eager",
     "rollout.sleep_during_update", "rollout.sync_bucket_mib",
     "rollout.tensor_parallel_size",

@@ -1,0 +1,124 @@
+"""Replicas' gradient all-reduce in buckets, overlapped with the rest of backward.
+
+With replicated parameters (model.shard_ranks=1) FSDP2's native HSDP all-reduces each block's
+gradients inside that block's post-backward and waits for it before backward goes on: on CPU
+(gloo, no streams) the whole transfer sits on the critical path, one block at a time. Here,
+as torch's DDP reducer does, each model is sharded over a one-rank mesh (FSDP2 still gathers
+and frees parameters block by block, and keeps its mixed precision) and this reducer owns the
+traffic between replicas: a hook on every parameter sees its gradient land (FSDP2 calls
+post-accumulate-grad hooks once it has written `.grad`), parameters are grouped into
+fixed-size buckets in the order backward finishes them (the last decoder block first, the root's
+embeddings and norm last), and a bucket whose gradients are all final is flattened and
+all-reduced asynchronously while backward carries on. At the end of that backward (a callback
+queued in autograd's engine, after FSDP2's own final callback) `finish()` waits for the buckets
+and writes the averages back, so `.backward()` returns with averaged gradients, as with DDP.
+
+Only the micro-batch that ends a mini-batch all-reduces: the trainer turns `enabled` off for the
+others, which accumulate locally, as with the native path (any other backward averages). Buckets are launched strictly in order on every rank (a
+bucket that is ready early waits for the ones before it), so collectives match across ranks
+whatever the timing; a parameter that received no gradient is reduced as zeros at `finish()`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from distflow.distributed import waiting
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def plan_buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[list[torch.nn.Parameter]]:
+    """Consecutive runs of `params` (in readiness order) of at least `bucket_bytes` each (the
+    last may be smaller); a parameter is never split."""
+    buckets: list[list[torch.nn.Parameter]] = [[]]
+    size = 0
+    for p in params:
+        buckets[-1].append(p)
+        size += _local(p).numel() * _local(p).element_size()
+        if size >= bucket_bytes:
+            buckets.append([])
+            size = 0
+    return [b for b in buckets if b]
+
+
+class ReplicaGradReducer:
+    """Averages the gradients of `params` over the ranks of `group`, bucket by bucket, during
+    backward. `params` in the order their gradients become final; each appears once."""
+
+    def __init__(self, params: list[torch.nn.Parameter], group: dist.ProcessGroup, bucket_bytes: int):
+        params = [p for p in params if p.requires_grad]
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError("a parameter is listed twice")
+        self.group, self.world = group, dist.get_world_size(group)
+        self.buckets = plan_buckets(params, bucket_bytes)
+        self._bucket_of = {id(p): b for b, ps in enumerate(self.buckets) for p in ps}
+        # As FSDP2's requires_all_reduce: every backward averages unless told not to (the
+        # micro-batches that only accumulate), so replicas never drift apart by default.
+        self.enabled = True
+        # per bucket of the last synchronising backward: how many parameters had their final
+        # gradient when it was sent (fewer than all: it went out while backward was still running)
+        self.ready_at_launch: list[int] = []
+        self._reset()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    def _reset(self) -> None:
+        self._ready = [0] * len(self.buckets)
+        self._next = 0  # the first bucket not launched yet
+        self._inflight: list[tuple[int, torch.Tensor, dist.Work]] = []
+        self._armed = False  # finish() is queued for the end of the backward in flight
+
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        if not self.enabled:
+            return
+        if not self._armed:
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            self._armed, self.ready_at_launch = True, []
+        self._ready[self._bucket_of[id(p)]] += 1
+        while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next]):
+            self._launch(self._next)
+            self._next += 1
+        self._drain(block=False)  # buckets already averaged free their flat copies now, not at the end
+
+    def _launch(self, b: int) -> None:
+        grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in self.buckets[b]]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.ready_at_launch.append(sum(self._ready))
+        self._inflight.append((b, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Launch what is left, wait for every bucket and write the averaged gradients back (a
+        parameter without one gets it). Runs at the end of a synchronising backward."""
+        while self._next < len(self.buckets):
+            self._launch(self._next)
+            self._next += 1
+        self._drain(block=True)
+        self._reset()
+
+    @torch.no_grad()
+    def _drain(self, block: bool) -> None:
+        """Write back the averages of the buckets in flight, oldest first: all of them (block), or
+        those whose all-reduce has already completed. Their gradients are final: backward no
+        longer touches them."""
+        while self._inflight and (block or self._inflight[0][2].is_completed()):
+            b, flat, work = self._inflight.pop(0)
+            with waiting():  # the rank that finished backward first waits here for the others
+                work.wait()
+            flat.div_(self.world)
+            offset = 0
+            for p in self.buckets[b]:
+                local = _local(p)
+                avg = flat[offset:offset + local.numel()].view_as(local)
+                offset += local.numel()
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                _local(p.grad).copy_(avg)
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
