@@ -20,6 +20,11 @@ fixed when a policy is sharded. With one process there is no all-reduce: fsdp = 
     .venv/bin/python bench/update.py                          # tiny + smollm2_135m, 1 and 2 processes
     .venv/bin/python bench/update.py --models smollm2_135m --nprocs 2 --iters 6
     .venv/bin/python bench/update.py --smoke --results-dir /tmp/r
+    .venv/bin/python bench/update.py --models smollm2_135m --nprocs 2 --profile 25   # + where the time goes
+
+`--profile N` also runs one more `default` update under torch.profiler after the timed ones and
+prints rank 0's N ops with the most self CPU time (a copy goes to the work dir as
+`<model>-n<N>-profile.txt`); the profiled update is not among the timed ones.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 VARIANTS = ("baseline", "fused", "fsdp", "default")
 
@@ -96,6 +102,15 @@ def worker(a) -> None:
         for v in order:
             for key, t in zip(("backward_s", "optimizer_s", "update_s"), one_update(v)):
                 times[v][key].append(t)
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            one_update("default")
+        if info.rank == 0:
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.profile)
+            with open(a.out.removesuffix(".json") + "-profile.txt", "w") as f:
+                f.write(table)
     if info.rank == 0:
         with open(a.out, "w") as f:
             json.dump({"times": times, "world_size": info.world_size, "seqs_per_rank": len(samples),
@@ -114,6 +129,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=None, help="timed updates per variant (default 5; --smoke: 1)")
     p.add_argument("--seqs", type=int, default=8, help="sequences per rank")
     p.add_argument("--micro-batch-size", type=int, default=2, help="sequences per forward/backward")
+    p.add_argument("--profile", type=int, default=0, help="print the top N ops of one profiled update")
     args = p.parse_args()
     nprocs = [int(n) for n in (args.nprocs or ("2" if args.smoke else "1,2")).split(",")]
     iters = args.iters or (1 if args.smoke else 5)
@@ -125,8 +141,11 @@ def main() -> None:
             C.fresh(out)
             print(f"[update] {model} nproc={nproc}", flush=True)
             C.torchrun(__file__, ["--worker", "--model", model, "--iters", str(iters), "--seqs", str(args.seqs),
-                                  "--micro-batch-size", str(args.micro_batch_size), "--out", str(out)],
+                                  "--micro-batch-size", str(args.micro_batch_size), "--profile", str(args.profile),
+                                  "--out", str(out)],
                        nproc, wd / f"{model}-n{nproc}.log")
+            if args.profile:
+                print(Path(str(out).removesuffix(".json") + "-profile.txt").read_text(), flush=True)
             r = json.loads(out.read_text())
             med = {v: {k: statistics.median(ts) for k, ts in r["times"][v].items()} for v in VARIANTS}
             rec = {"model": model, "processes": nproc, "params": r["params"], "shard_ranks": r["shard_ranks"],
@@ -149,7 +168,7 @@ if __name__ == "__main__":
         ap = argparse.ArgumentParser()
         for flag in ("--model", "--out"):
             ap.add_argument(flag, required=True)
-        for flag, default in (("--iters", 3), ("--seqs", 8), ("--micro-batch-size", 2)):
+        for flag, default in (("--iters", 3), ("--seqs", 8), ("--micro-batch-size", 2), ("--profile", 0)):
             ap.add_argument(flag, type=int, default=default)
         ap.add_argument("--worker", action="store_true")
         worker(ap.parse_args())

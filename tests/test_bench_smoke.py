@@ -100,7 +100,9 @@ def test_balance_smoke(tmp_path):
 
 
 def test_update_smoke(tmp_path):
-    out = run_bench("update", tmp_path)
+    out = run_bench("update", tmp_path, "--profile", "5")
+    profile = (tmp_path / "work" / "tiny-n2-profile.txt").read_text()
+    assert "Self CPU" in profile and len(profile.splitlines()) >= 5, profile
     rec = out["records"][0]
     assert rec["processes"] == 2 and rec["seqs_per_rank"] > rec["micro_batch_size"]  # several micro-batches
     for variant in out["variants"]:

@@ -8,10 +8,10 @@ and frees parameters block by block, and keeps its mixed precision) and this red
 traffic between replicas: a hook on every parameter sees its gradient land (FSDP2 calls
 post-accumulate-grad hooks once it has written `.grad`), parameters are grouped into
 fixed-size buckets in the order backward finishes them (the last decoder block first, the root's
-embeddings and norm last), and a bucket whose gradients are all final is flattened and
-all-reduced asynchronously while backward carries on. At the end of that backward (a callback
-queued in autograd's engine, after FSDP2's own final callback) `finish()` waits for the buckets
-and writes the averages back, so `.backward()` returns with averaged gradients, as with DDP.
+embeddings and norm last), and a bucket whose gradients are all final is all-reduced in place,
+asynchronously, while backward carries on. At the end of that backward (a callback queued in
+autograd's engine, after FSDP2's own final callback) `finish()` waits for the buckets, so
+`.backward()` returns with averaged gradients, as with DDP.
 
 Only the micro-batch that ends a mini-batch all-reduces: the trainer turns `enabled` off for the
 others, which accumulate locally, as with the native path (any other backward averages). Buckets are launched strictly in order on every rank (a
@@ -69,7 +69,7 @@ class ReplicaGradReducer:
     def _reset(self) -> None:
         self._ready = [0] * len(self.buckets)
         self._next = 0  # the first bucket not launched yet
-        self._inflight: list[tuple[int, torch.Tensor, dist.Work]] = []
+        self._inflight: list[tuple[list[torch.Tensor], list[dist.Work]]] = []  # (gradients, their calls)
         self._armed = False  # finish() is queued for the end of the backward in flight
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
@@ -82,18 +82,24 @@ class ReplicaGradReducer:
         while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next]):
             self._launch(self._next)
             self._next += 1
-        self._drain(block=False)  # buckets already averaged free their flat copies now, not at the end
+        self._drain(block=False)  # buckets whose sums have arrived are averaged now, not all at the end
 
     def _launch(self, b: int) -> None:
-        grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in self.buckets[b]]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        """All-reduce bucket b's gradients in place, one asynchronous call per tensor: no flat copy
+        in and out (on a 2-core machine the copies cost more than the overlap saves), and gloo
+        and NCCL run the calls back to back in their own thread or stream."""
+        grads = []
+        for p in self.buckets[b]:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(_local(p.grad))
         self.ready_at_launch.append(sum(self._ready))
-        self._inflight.append((b, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+        self._inflight.append((grads, [dist.all_reduce(g, group=self.group, async_op=True) for g in grads]))
 
     @torch.no_grad()
     def finish(self) -> None:
-        """Launch what is left, wait for every bucket and write the averaged gradients back (a
-        parameter without one gets it). Runs at the end of a synchronising backward."""
+        """Launch what is left and wait for every bucket: the gradients are then averages (a
+        parameter without one gets one). Runs at the end of a synchronising backward."""
         while self._next < len(self.buckets):
             self._launch(self._next)
             self._next += 1
@@ -102,22 +108,15 @@ class ReplicaGradReducer:
 
     @torch.no_grad()
     def _drain(self, block: bool) -> None:
-        """Write back the averages of the buckets in flight, oldest first: all of them (block), or
-        those whose all-reduce has already completed. Their gradients are final: backward no
+        """Turn the sums of the buckets in flight into averages, oldest first: all of them (block),
+        or those whose all-reduces have already completed. Their gradients are final: backward no
         longer touches them."""
-        while self._inflight and (block or self._inflight[0][2].is_completed()):
-            b, flat, work = self._inflight.pop(0)
+        while self._inflight and (block or all(w.is_completed() for w in self._inflight[0][1])):
+            grads, works = self._inflight.pop(0)
             with waiting():  # the rank that finished backward first waits here for the others
-                work.wait()
-            flat.div_(self.world)
-            offset = 0
-            for p in self.buckets[b]:
-                local = _local(p)
-                avg = flat[offset:offset + local.numel()].view_as(local)
-                offset += local.numel()
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                _local(p.grad).copy_(avg)
+                for work in works:
+                    work.wait()
+            torch._foreach_div_(grads, float(self.world))
 
     def remove(self) -> None:
         for h in self._hooks:
