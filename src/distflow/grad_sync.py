@@ -14,9 +14,10 @@ autograd's engine, after FSDP2's own final callback) `finish()` waits for the bu
 `.backward()` returns with averaged gradients, as with DDP.
 
 Only the micro-batch that ends a mini-batch all-reduces: the trainer turns `enabled` off for the
-others, which accumulate locally, as with the native path (any other backward averages). Buckets are launched strictly in order on every rank (a
-bucket that is ready early waits for the ones before it), so collectives match across ranks
-whatever the timing; a parameter that received no gradient is reduced as zeros at `finish()`.
+others, which accumulate locally, as with the native path (any other backward averages).
+Buckets are launched strictly in order on every rank (a bucket that is ready early waits for the
+ones before it), so collectives match across ranks whatever the timing; a parameter that
+received no gradient is reduced as zeros at `finish()`.
 """
 
 from __future__ import annotations

@@ -119,10 +119,10 @@ class ShardedModel:
 
     def all_reduce_gradients(self, enabled: bool) -> None:
         """Whether the next backward all-reduces gradients across replicas (HSDP's replicate
-        dimension, or the bucketed reducer's buckets). Off for all but a mini-batch's last micro-batch: gradients accumulate
-        locally and cross the link once per optimizer step, not once per micro-batch. Shards
-        are still reduce-scattered every pass, so memory does not grow; on a plain FSDP mesh
-        there is no replicate dimension and this changes nothing."""
+        dimension, or the bucketed reducer's buckets). Off for all but a mini-batch's last
+        micro-batch: gradients accumulate locally and cross the link once per optimizer step,
+        not once per micro-batch. Shards are still reduce-scattered every pass, so memory does
+        not grow; on a plain FSDP mesh there is no replicate dimension and this changes nothing."""
         if self.reducer is not None:
             self.reducer.enabled = enabled
         else:
