@@ -19,7 +19,7 @@ def _late_rank(rank, world, out):
     with dd.waiting(), dd.waiting():  # nested blocks count once
         time.sleep(0.1)
     waited = dd.waited_s() - before
-    compute = {0: 1.0, 1: 3.0005, 2: 2.0}[rank]  # rank 1 is the slowest, by half a millisecond over 3 s
+    compute = {0: 1.0, 1: 3.0005, 2: 2.0}[rank]  # rank 1 is the slowest (its time rounds to whole ms in the code)
     timing = with_compute({"step": compute + waited, "wait": waited})
     g = reduce_step_metrics({}, {"timing/wait_s": waited, "timing/slowest_rank": slowest_rank_code(timing["compute"])},
                             {"timing/wait_min_s": waited})
