@@ -35,9 +35,11 @@ def test_smoke_experiment_runs_and_logs_every_step(tmp_path, engine):
         assert r["timing/compute_min_s"] <= r["timing/compute_s"] <= r["timing/step_s"], r
         assert r["timing/update_min_s"] <= r["timing/update_s"] and r["timing/slowest_rank"] in (0, 1), r
     if slow:  # rank 0 waits for rank 1 at the update's first collective: the wait shows, and who
+        # (bounds leave room for the ranks' own noise on a loaded machine: a rank that was 0.3 s
+        # slower before the sleep waits 0.3 s less for it, and its peer 0.3 s more)
         for r in rows[1:]:
-            assert r["timing/wait_s"] >= 1.4 and r["timing/wait_s"] - r["timing/wait_min_s"] >= 1.0, r
-            assert r["timing/slowest_rank"] == 1 and r["timing/compute_s"] - r["timing/compute_min_s"] >= 1.0, r
+            assert r["timing/wait_s"] >= 1.0 and r["timing/wait_s"] - r["timing/wait_min_s"] >= 0.5, r
+            assert r["timing/slowest_rank"] == 1 and r["timing/compute_s"] - r["timing/compute_min_s"] >= 0.5, r
         assert "step 3: rank 1 was the slowest for 2 consecutive steps" in proc.stdout + proc.stderr
     for r in rows:
         missing = [k for k in REQUIRED_KEYS if k not in r]

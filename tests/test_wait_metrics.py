@@ -36,8 +36,9 @@ def test_wait_clock_and_slowest_rank_on_three_ranks(tmp_path):
         rank, waited, g = q.get()
         got[rank] = (waited, g)
     assert sorted(got) == [0, 1, 2]
-    # ranks 0 and 2 waited for rank 1 twice; rank 1 hardly at all; the 0.1 s block counted once
-    assert got[0][0] >= 0.8 + 0.1 and got[2][0] >= 0.8 + 0.1, got
+    # ranks 0 and 2 waited for rank 1 twice (0.4 s each, the first less any start-up skew); rank 1
+    # hardly at all; the 0.1 s block counted once
+    assert got[0][0] >= 0.7 + 0.1 and got[2][0] >= 0.7 + 0.1, got
     assert got[1][0] < 0.1 + 0.3, got
     for _, g in got.values():  # every rank agrees
         assert g["timing/wait_s"] == max(w for w, _ in got.values())
