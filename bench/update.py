@@ -81,16 +81,15 @@ def worker(a) -> None:
     sync = policy.all_reduce_gradients  # (enabled): whether the next backward all-reduces
 
     def one_update(variant: str) -> float:
-        nonlocal policy
-        policy = policies["bucketed" if variant == "default" else "fsdp"]
+        model = policies["bucketed" if variant == "default" else "fsdp"]
         if variant != "default":
-            policy.optimizer = optimizers["foreach" if variant == "baseline" else "fused"]
-            policy.all_reduce_gradients = sync if variant == "fsdp" else (lambda enabled: sync(True))
+            model.optimizer = optimizers["foreach" if variant == "baseline" else "fused"]
+            model.all_reduce_gradients = sync if variant == "fsdp" else (lambda enabled: sync(True))
         barrier()
         t0 = time.perf_counter()
-        sums = backward_policy_loss(policy, batch, rows, cfg, pad_id=0)
+        sums = backward_policy_loss(model, batch, rows, cfg, pad_id=0)
         t1 = time.perf_counter()
-        policy.step(sums.loss)
+        model.step(sums.loss)
         t2 = time.perf_counter()
         return float(all_reduce(t1 - t0, "max")), float(all_reduce(t2 - t1, "max")), float(all_reduce(t2 - t0, "max"))
 

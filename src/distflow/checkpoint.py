@@ -32,13 +32,12 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from distflow.config import ConfigError
-from distflow.distributed import barrier
+from distflow.distributed import barrier, rank_and_world
 
 log = logging.getLogger("distflow")
 
@@ -183,7 +182,7 @@ class Checkpointer:
             self.before_marker(step)
         if self.rank == 0:
             files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
-            (tmp / MARKER).write_text(json.dumps({"format": FORMAT, "step": step, "world_size": _world_size(),
+            (tmp / MARKER).write_text(json.dumps({"format": FORMAT, "step": step, "world_size": rank_and_world()[1],
                                                   "files": files, "meta": meta or {}, "state": shared}))
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
@@ -227,10 +226,6 @@ def saved_world_size(marker: dict) -> int:
     if "world_size" in marker:
         return int(marker["world_size"])
     return sum(1 for name in marker.get("files", {}) if name.startswith("rank_") and name.endswith(".json"))
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def read_marker(path: Path) -> dict:

@@ -115,6 +115,11 @@ def waited_s() -> float:
     return _waited_s
 
 
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) of the default group; (0, 1) when no group is initialised."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
 def all_reduce(values: torch.Tensor | list[float] | float, op: str = "sum") -> torch.Tensor:
     """All-reduce a small float64 vector on CPU-equivalent semantics; returns a new CPU tensor.
 

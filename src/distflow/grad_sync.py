@@ -81,29 +81,28 @@ class ReplicaGradReducer:
             self._armed, self.ready_at_launch = True, []
         self._ready[self._bucket_of[id(p)]] += 1
         while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next]):
-            self._launch(self._next)
-            self._next += 1
+            self._launch_next()
         self._drain(block=False)  # buckets whose sums have arrived are averaged now, not all at the end
 
-    def _launch(self, b: int) -> None:
-        """All-reduce bucket b's gradients in place, one asynchronous call per tensor: no flat copy
-        in and out (on a 2-core machine the copies cost more than the overlap saves), and gloo
-        and NCCL run the calls back to back in their own thread or stream."""
+    def _launch_next(self) -> None:
+        """All-reduce the next bucket's gradients in place, one asynchronous call per tensor: no
+        flat copy in and out (on a 2-core machine the copies cost more than the overlap saves),
+        and gloo and NCCL run the calls back to back in their own thread or stream."""
         grads = []
-        for p in self.buckets[b]:
+        for p in self.buckets[self._next]:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(_local(p.grad))
         self.ready_at_launch.append(sum(self._ready))
         self._inflight.append((grads, [dist.all_reduce(g, group=self.group, async_op=True) for g in grads]))
+        self._next += 1
 
     @torch.no_grad()
     def finish(self) -> None:
         """Launch what is left and wait for every bucket: the gradients are then averages (a
         parameter without one gets one). Runs at the end of a synchronising backward."""
         while self._next < len(self.buckets):
-            self._launch(self._next)
-            self._next += 1
+            self._launch_next()
         self._drain(block=True)
         self._reset()
 

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from distflow.config import ConfigError, ModelConfig
 from distflow.devices import shard_ranks
-from distflow.distributed import DistInfo
+from distflow.distributed import DistInfo, rank_and_world
 from distflow.models.heads import attention_heads, tensor_parallel_problem
 
 
@@ -55,9 +55,7 @@ class ParallelLayout:
     @classmethod
     def current(cls, model: ModelConfig, device: torch.device | str = "cpu", engine_tp: int = 1) -> "ParallelLayout":
         """The layout of the already-initialised default process group (tests, benchmarks)."""
-        import torch.distributed as dist
-
-        world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+        rank, world = rank_and_world()
         info = DistInfo(rank, world, rank, world, torch.device(device), "gloo")
         return cls.from_config(model, info, engine_tp)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from distflow.config import DistflowConfig
+from distflow.distributed import rank_and_world
 from distflow.metrics import reduce_step_metrics
 from distflow.rollout.base import Sample
 from distflow.scoring import REWARD_FAILURES
@@ -95,7 +96,7 @@ def step_report(cfg: DistflowConfig, step: int, samples: list[Sample], rewards: 
                    "response_length/max": float(max(resp_lens)), "sync/max_abs_logprob_diff": probe,
                    "dynamic_sampling/rounds": float(stats.rounds), **gpu_memory()})
     g = reduce_step_metrics(sums, maxima, {f"timing/{k}_min_s": v for k, v in timing.items()})
-    g["timing/slowest_rank"] = float(int(g["timing/slowest_rank"]) % _world_size())
+    g["timing/slowest_rank"] = float(int(g["timing/slowest_rank"]) % rank_and_world()[1])
     n, trained = max(g["samples"], 1.0), max(g["upd/tokens"], 1.0)
     out = {
         "step": step,
@@ -148,18 +149,12 @@ def with_compute(timing: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def _world_size() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
 def slowest_rank_code(compute_s: float) -> float:
     """This rank's compute time in whole milliseconds with its rank number folded in, so that the
     maxima's all_reduce alone finds the slowest rank: max(code) % world is its rank (ties go to the
     highest rank). float64 holds it exactly below 2**53 / world ms (centuries per step)."""
-    dist = torch.distributed
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return float(round(compute_s * 1000.0) * _world_size() + rank)
+    rank, world = rank_and_world()
+    return float(round(compute_s * 1000.0) * world + rank)
 
 
 class StragglerWatch:
