@@ -2,6 +2,7 @@
 
 import importlib.util
 import math
+import re
 
 import pytest
 
@@ -40,7 +41,8 @@ def test_smoke_experiment_runs_and_logs_every_step(tmp_path, engine):
         for r in rows[1:]:
             assert r["timing/wait_s"] >= 1.0 and r["timing/wait_s"] - r["timing/wait_min_s"] >= 0.5, r
             assert r["timing/slowest_rank"] == 1 and r["timing/compute_s"] - r["timing/compute_min_s"] >= 0.5, r
-        assert "step 3: rank 1 was the slowest for 2 consecutive steps" in proc.stdout + proc.stderr
+        # step 1 may already have found rank 1 slower by chance, so the streak of 2 ends on step 2 or 3
+        assert re.search(r"step [23]: rank 1 was the slowest for 2 consecutive steps", proc.stdout + proc.stderr)
     for r in rows:
         missing = [k for k in REQUIRED_KEYS if k not in r]
         assert not missing, missing
