@@ -28,3 +28,11 @@ def torchrun(overrides: list[str], nproc: int = 2, timeout: float = 600, extra_e
 def read_metrics(output_dir) -> list[dict]:
     with open(Path(output_dir) / "metrics.jsonl") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+VOLATILE = ("timing/", "throughput/")  # wall-clock dependent; everything else must match bitwise
+
+
+def stable_metrics(row: dict) -> dict:
+    """A metrics row without its wall-clock keys: what a bit-exact resume must reproduce."""
+    return {k: v for k, v in row.items() if not k.startswith(VOLATILE)}

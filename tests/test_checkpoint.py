@@ -11,24 +11,19 @@ import torch
 from safetensors.torch import load_file
 
 from dist_helpers import run_distributed
-from launch_helpers import ROOT, read_metrics, torchrun
+from launch_helpers import ROOT, read_metrics, stable_metrics, torchrun
 from distflow.checkpoint import MARKER, POLICY, Checkpointer, ModelOptimState, latest_checkpoint
 from distflow.config import ConfigError, DistflowConfig
 from distflow.layout import ParallelLayout
 from distflow.policy import Policy
 
 BASE = ["experiment=smoke", "task.reward=rewards_for_tests:digit_fraction", "trainer.checkpoint_every=2"]
-VOLATILE = ("timing/", "throughput/")  # wall-clock dependent; everything else must match bitwise
 
 
 def _run(out, *extra, **kw):
     proc = torchrun([*BASE, f"trainer.output_dir={out}", *extra], **kw)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
-
-
-def _stable(row):
-    return {k: v for k, v in row.items() if not k.startswith(VOLATILE)}
 
 
 @pytest.mark.slow
@@ -40,7 +35,7 @@ def test_resume_is_bit_exact(tmp_path):
     assert "resumed from step 2" in proc.stdout
     a, b = read_metrics(straight), read_metrics(split)
     assert [r["step"] for r in b] == [1, 2, 3, 4]
-    assert [_stable(r) for r in a[2:]] == [_stable(r) for r in b[2:]]
+    assert [stable_metrics(r) for r in a[2:]] == [stable_metrics(r) for r in b[2:]]
     wa, wb = load_file(straight / "hf_model" / "model.safetensors"), load_file(split / "hf_model" / "model.safetensors")
     assert wa.keys() == wb.keys()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
