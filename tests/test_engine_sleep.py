@@ -45,6 +45,7 @@ def _engine(on_cpu=False, sleep_during_update=True) -> VLLMEngine:
     engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM construction: the stand-in is the engine
     engine.llm, engine.on_cpu, engine.tied_head, engine.sleeping = RecordingLLM(), on_cpu, False, False
     engine.cfg = RolloutConfig(sleep_during_update=sleep_during_update)
+    engine.adapter_dir, engine.lora_request = None, None
     return engine
 
 
@@ -80,6 +81,14 @@ def test_no_sleep_on_cpu_or_when_turned_off(on_cpu, sleep_during_update):
     engine.sleep()
     engine.load_weights(_weights())
     assert engine.llm.calls == ["reload_weights(2 tensors)", "reset_prefix_cache()"]
+
+
+def test_an_engine_serving_adapters_never_sleeps():
+    """Level 2 frees the base weights, and an adapter resync never sends them again."""
+    engine = _engine()
+    engine.adapter_dir = "/dev/shm/distflow-adapter-x"
+    engine.sleep()
+    assert engine.llm.calls == [] and not engine.sleeping
 
 
 def test_max_model_len_fits_the_probe():

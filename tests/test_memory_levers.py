@@ -20,7 +20,7 @@ from distflow.distributed import all_reduce
 from distflow.critic import Critic
 from distflow.layout import ParallelLayout
 from distflow.logprobs import chunked_stats
-from distflow.policy import Policy, _decoder_blocks
+from distflow.policy import Policy, decoder_blocks
 from distflow.rollout.base import Sample
 from distflow.update import backward_policy_loss, backward_value_loss
 
@@ -104,7 +104,7 @@ def _policy_pass(model_dir, cfg, local, adv):
     policy = Policy(model_dir, cfg.model, cfg.optim, ParallelLayout.current(cfg.model))
     with torch.no_grad():
         lp, entropy = policy.forward(TokenBatch.from_samples(local, 0, torch.device("cpu")), 0.7, with_entropy=True)
-    blocks, calls = _decoder_blocks(policy.model), []
+    blocks, calls = decoder_blocks(policy.model), []
     hooks = [b.register_forward_pre_hook(lambda *_: calls.append(1)) for b in blocks]  # (a recompute stops early)
     with _SavedBytes() as saved:
         sums = backward_policy_loss(policy, update_batch(local, adv), list(range(len(local))), cfg, pad_id=0)

@@ -49,20 +49,28 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 class ModelOptimState(Stateful):
-    """An FSDP2 model and its optimizer (None for a frozen model) as one sharded DCP state."""
+    """An FSDP2 model and its optimizer (None for a frozen model) as one sharded DCP state.
+    trainable_only: the model's frozen parameters are left out (a LoRA policy's base, which
+    model.path already holds): the checkpoint is the adapters and their optimizer."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, trainable_only: bool = False):
         self.model, self.optimizer = model, optimizer
+        self.options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+        # torch's ignore_frozen_params misses a second name of a tied weight (lm_head.weight)
+        self.frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad} \
+            if trainable_only else set()
 
     def state_dict(self) -> dict[str, Any]:
         optims = [self.optimizer] if self.optimizer is not None else []
-        model_sd, optim_sd = get_state_dict(self.model, optims)
+        model_sd, optim_sd = get_state_dict(self.model, optims, options=self.options)
+        model_sd = {k: v for k, v in model_sd.items() if k not in self.frozen}
         return {"model": model_sd, "optim": optim_sd} if optims else {"model": model_sd}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # DCP loads into the shape state_dict() gave, so every key it names was in the checkpoint
         optims = [self.optimizer] if self.optimizer is not None else []
         set_state_dict(self.model, optims, model_state_dict=state["model"],
-                       optim_state_dict=state.get("optim", {}), options=StateDictOptions(strict=True))
+                       optim_state_dict=state.get("optim", {}), options=self.options)
 
 
 class RNGState(Stateful):

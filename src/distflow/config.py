@@ -17,6 +17,48 @@ class ConfigError(ValueError):
     """A user-facing configuration or input problem: reported as one line, exit code 2."""
 
 
+MAX_ENGINE_LORA_RANK = 512  # the largest max_lora_rank vLLM 0.32 accepts
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (PEFT's LoRA) on the policy instead of full fine-tuning (distflow.lora).
+    The base stays frozen in the model dtype; only the adapters train, shard and checkpoint, and
+    the KL reference is the policy with its adapters switched off (no second model)."""
+
+    enabled: bool = False
+    rank: int = 8
+    alpha: float = 16.0  # the update is scaled by alpha / rank, as PEFT does
+    # Applied in the update's forward passes only: the logprob passes (old, reference, probe) run
+    # without it, so they stay deterministic and equal the engine's.
+    dropout: float = 0.0
+    # Module names PEFT matches (suffixes, as its target_modules); empty = every linear layer of
+    # the decoder blocks (attention and MLP projections; not the embedding or the LM head).
+    target_modules: List[str] = field(default_factory=list)
+    # How the engine gets the policy after each update. merged: base + scaled B @ A, through the
+    # full-weight resync (every engine); adapter: only the adapters, loaded by vLLM's LoRA support
+    # from a RAM-backed folder (vLLM only; the engine computes the adapter's product itself).
+    resync: str = "merged"
+
+    def checks(self, rollout: "RolloutConfig") -> list[tuple[bool, str]]:
+        """(ok, message) pairs for DistflowConfig.validate; nothing to check when off."""
+        if not self.enabled:
+            return []
+        return [
+            (self.rank >= 1, f"model.lora.rank must be >= 1, got {self.rank}"),
+            (self.alpha > 0, f"model.lora.alpha must be > 0, got {self.alpha}"),
+            (0 <= self.dropout < 1, f"model.lora.dropout must be in [0, 1), got {self.dropout}"),
+            (self.resync in ("merged", "adapter"), f"model.lora.resync must be merged or adapter, got {self.resync!r}"),
+            (self.resync != "adapter" or rollout.engine == "vllm",
+             "model.lora.resync=adapter needs rollout.engine=vllm (vLLM's LoRA support); use resync=merged"),
+            (self.resync != "adapter" or self.rank <= MAX_ENGINE_LORA_RANK,
+             f"model.lora.resync=adapter supports ranks up to {MAX_ENGINE_LORA_RANK} (vLLM's max_lora_rank), "
+             f"got {self.rank}"),
+            (self.resync != "adapter" or rollout.tensor_parallel_size == 1,
+             "model.lora.resync=adapter with rollout.tensor_parallel_size > 1 is not supported; use resync=merged"),
+        ]
+
+
 @dataclass
 class ModelConfig:
     # A local HF folder, a hub name, or a built-in name: "tiny" (random, built offline) or
@@ -46,6 +88,7 @@ class ModelConfig:
     # recomputed in backward (distflow.logprobs): no [B, R, V] fp32 tensor for a micro-batch.
     # 0 = the plain path (whole-micro-batch logits).
     logprob_chunk_tokens: int = 512
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -288,6 +331,7 @@ class DistflowConfig:
             (self.model.grad_bucket_mib > 0, f"model.grad_bucket_mib must be > 0, got {self.model.grad_bucket_mib}"),
             (self.model.logprob_chunk_tokens >= 0,
              f"model.logprob_chunk_tokens must be >= 0 (0 = unchunked), got {self.model.logprob_chunk_tokens}"),
+            *self.model.lora.checks(r),
             (r.kv_cache_gib > 0, f"rollout.kv_cache_gib must be > 0, got {r.kv_cache_gib}"),
             (str(r.enforce_eager).lower() in ("auto", "true", "false"),
              f"rollout.enforce_eager must be auto, true or false, got {r.enforce_eager!r}"),

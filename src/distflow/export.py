@@ -1,9 +1,11 @@
 """Export a checkpoint (or the live policy) as a plain HF folder: safetensors, config, tokenizer.
 
-    python -m distflow.export <checkpoint_dir> <out_dir>
+    python -m distflow.export <checkpoint_dir> <out_dir>            # LoRA: a PEFT adapter folder
+    python -m distflow.export --merged <checkpoint_dir> <out_dir>   # LoRA: base + adapters merged
 
-The result loads with `transformers` and vLLM like any hub model. The CLI needs no process
-group: DCP reads the sharded checkpoint into one unsharded model.
+The result loads with `transformers` and vLLM like any hub model; a LoRA run's adapter folder
+loads with PEFT (PeftModel.from_pretrained) on top of model.path, or as a vLLM LoRARequest. The
+CLI needs no process group: DCP reads the sharded checkpoint into one unsharded model.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import torch.distributed.checkpoint as dcp
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distflow.checkpoint import POLICY, read_marker
-from distflow.config import ConfigError
+from distflow.config import ConfigError, LoraConfig
+from distflow.lora import adapter_tensors, add_adapters, is_adapter_key, merged_parameters, peft_config, \
+    write_adapter_folder
+from distflow.policy import decoder_blocks
 
 
 def save_hf_folder(model_path: str, state_dict: dict[str, torch.Tensor], out_dir: str) -> str:
@@ -32,36 +37,61 @@ def save_hf_folder(model_path: str, state_dict: dict[str, torch.Tensor], out_dir
     return out_dir
 
 
-def export_live(model: torch.nn.Module, model_path: str, out_dir: str, write: bool) -> None:
-    """Collective: every rank gathers the FSDP2 model's full weights; the rank with `write` saves them."""
+def export_live(model: torch.nn.Module, model_path: str, out_dir: str, write: bool, adapter_config=None,
+                adapter_dir: str = "") -> None:
+    """Collective: every rank gathers the FSDP2 model's full weights; the rank with `write` saves
+    them. A model with adapters (`adapter_config`, PEFT's) also writes its PEFT adapter folder
+    to `adapter_dir`; `out_dir` gets the merged weights."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from distflow.distributed import barrier
 
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if adapter_config is not None:
+        adapters = adapter_tensors(model)
+        full = {name: t.cpu() for name, t in merged_parameters(model, torch.float32)}
+        if write:
+            write_adapter_folder(adapters, adapter_config, adapter_dir)
+    else:
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if write:
         save_hf_folder(model_path, full, out_dir)
     barrier()
 
 
-def export_checkpoint(checkpoint: str, out_dir: str) -> str:
+def export_checkpoint(checkpoint: str, out_dir: str, merged: bool = False) -> str:
+    """An HF folder of the checkpoint's policy; a LoRA checkpoint gives its PEFT adapter folder,
+    or with `merged` an HF folder of base + adapters."""
     path = Path(checkpoint)
     try:
-        model_path = read_marker(path)["meta"]["model_path"]
+        meta = read_marker(path)["meta"]
     except ConfigError as e:
         raise SystemExit(f"distflow.export: error: {e}") from None
+    model_path = meta["model_path"]
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    state = {POLICY: {"model": model.state_dict()}}
+    lora = LoraConfig(**meta.get("config", {}).get("model", {}).get("lora", {}))
+    config = None
+    if lora.enabled:  # the checkpoint holds the adapters only
+        config = peft_config(lora, decoder_blocks(model), model_path)
+        add_adapters(model, config)
+        state = {POLICY: {"model": {k: v for k, v in model.state_dict().items() if is_adapter_key(k)}}}
+    else:
+        state = {POLICY: {"model": model.state_dict()}}
     dcp.load(state, checkpoint_id=str(path))
-    return save_hf_folder(model_path, state[POLICY]["model"], out_dir)
+    model.load_state_dict(state[POLICY]["model"], strict=not lora.enabled)
+    if config is not None and not merged:
+        return write_adapter_folder(adapter_tensors(model), config, out_dir)
+    weights = dict(merged_parameters(model, torch.float32)) if config is not None else state[POLICY]["model"]
+    return save_hf_folder(model_path, weights, out_dir)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m distflow.export", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a checkpoint folder (…/checkpoints/step_NNNNNN)")
     parser.add_argument("out_dir", help="where to write the HF folder")
+    parser.add_argument("--merged", action="store_true",
+                        help="a LoRA checkpoint: write base + adapters merged, not the adapter folder")
     args = parser.parse_args(argv)
-    print(export_checkpoint(args.checkpoint, args.out_dir))
+    print(export_checkpoint(args.checkpoint, args.out_dir, args.merged))
 
 
 if __name__ == "__main__":

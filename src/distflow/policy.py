@@ -9,6 +9,7 @@ normaliser (see algorithms.losses).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable
 
@@ -23,11 +24,13 @@ from distflow.devices import torch_dtype
 from distflow.distributed import all_reduce
 from distflow.grad_sync import ReplicaGradReducer
 from distflow.layout import ParallelLayout
-from distflow.model_init import initial_model, is_meta, materialize
+from distflow.lora import (add_adapters, adapters_disabled, dropout_off, has_adapters, peft_config,
+                           trainable_parameters)
+from distflow.model_init import initial_model, is_meta, materialize, skeleton
 from distflow.logprobs import chunked_stats, head_replaced, output_head, token_stats
 
 
-def _decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:
@@ -38,11 +41,12 @@ def _decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _backward_order(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> list[torch.nn.Parameter]:
-    """The parameters in the order FSDP2 finishes their gradients: the last decoder block's first,
-    the root's own (embeddings, final norm, a head) last, in its final post-backward callback."""
+    """The trainable parameters in the order FSDP2 finishes their gradients: the last decoder
+    block's first, the root's own (embeddings, final norm, a head) last, in its final
+    post-backward callback."""
     in_blocks = [p for b in reversed(blocks) for p in b.parameters()]
     seen = {id(p) for p in in_blocks}
-    return in_blocks + [p for p in model.parameters() if id(p) not in seen]
+    return [p for p in in_blocks + [p for p in model.parameters() if id(p) not in seen] if p.requires_grad]
 
 
 def response_window_index(batch: TokenBatch) -> torch.Tensor:
@@ -82,7 +86,12 @@ class ShardedModel:
         # not mid-run; fully_shard keeps the module, so it stays valid after sharding.
         self.head = output_head(model) if self.logprob_chunk_tokens and model.get_output_embeddings() is not None \
             else None
-        blocks = _decoder_blocks(model)
+        blocks = decoder_blocks(model)
+        self.lora = has_adapters(model)
+        if self.lora and compute != torch.float32:  # the frozen base needs no fp32 master copy
+            for p in model.parameters():
+                if not p.requires_grad:
+                    p.data = p.data.to(compute)
         for block in blocks:
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -99,7 +108,7 @@ class ShardedModel:
         # fused: one kernel over all parameters, about 2x faster than foreach for SmolLM2-135M on
         # CPU (bench/update.py); works on DTensor shards and on CUDA alike.
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            trainable_parameters(self.model),  # with LoRA, the adapters only
             lr=optim.lr if lr is None else lr,
             betas=(optim.beta1, optim.beta2),
             weight_decay=optim.weight_decay,
@@ -133,7 +142,7 @@ class ShardedModel:
         gradient norm is not finite on ANY rank (one all_reduce decides, so every rank agrees):
         then the gradients are dropped and the weights, optimizer and schedule stay untouched.
         Returns (pre-clip global grad norm, whether the step was taken)."""
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(self.model), self.max_grad_norm)
         norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         bad = not (math.isfinite(loss) and math.isfinite(norm))
         taken = float(all_reduce(float(bad), "max")) == 0.0
@@ -148,8 +157,21 @@ class ShardedModel:
         return float(self.optimizer.param_groups[0]["lr"])
 
 
+def check_lora_targets(model_path: str, model_cfg: ModelConfig) -> None:
+    """Adapt a meta-device skeleton of the model as the policy will be adapted: a target that
+    matches nothing or a layer PEFT cannot adapt stops every rank with one line, before any
+    weights load. Costs no memory and draws nothing from the RNG."""
+    if not model_cfg.lora.enabled:
+        return
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=model_cfg.trust_remote_code)
+    model = skeleton(AutoModelForCausalLM, config, model_cfg.trust_remote_code)
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        add_adapters(model, peft_config(model_cfg.lora, decoder_blocks(model)))
+
+
 class Policy(ShardedModel):
-    """The causal LM being trained; trainable=False builds the frozen KL reference."""
+    """The causal LM being trained; trainable=False builds a frozen KL reference. With
+    model.lora the model carries adapters (distflow.lora), and `base()` is its reference."""
 
     def __init__(self, model_path: str, model_cfg: ModelConfig, optim: OptimConfig, layout: ParallelLayout,
                  trainable: bool = True):
@@ -157,7 +179,25 @@ class Policy(ShardedModel):
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=model_cfg.trust_remote_code)
         model, load = initial_model(AutoModelForCausalLM, model_path, config, model_cfg.meta_device_init,
                                     model_cfg.trust_remote_code)
+        self.adapter_config = None  # PEFT's LoraConfig of the adapters, when there are any
+        if model_cfg.lora.enabled and trainable:
+            self.adapter_config = peft_config(model_cfg.lora, decoder_blocks(model), model_path)
+
+            def adapt(m: torch.nn.Module) -> torch.nn.Module:
+                return add_adapters(m, self.adapter_config)
+
+            if is_meta(model):  # the skeleton gets meta adapters; rank 0's load fills them
+                with torch.random.fork_rng(devices=[]), torch.device("meta"):
+                    adapt(model)
+            else:
+                adapt(model)
+            load = (lambda full=load: adapt(full()))
         super().__init__(model, model_cfg, optim, layout, trainable, load_full=load)
+
+    def base(self) -> "FrozenBase":
+        """The policy with its adapters off: a LoRA run's KL reference, without a second model."""
+        assert self.lora, "base() is the reference of a policy with adapters"
+        return FrozenBase(self)
 
     def logprobs(self, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
         """log p(response token | prefix) at `temperature`, shape [B, R] (0 beyond each response)."""
@@ -170,20 +210,36 @@ class Policy(ShardedModel):
         targets = batch.input_ids[:, -keep:].gather(1, idx + 1)
         inputs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                       position_ids=batch.position_ids, logits_to_keep=keep)
+        # logprob passes (no grad) run without the adapters' dropout: deterministic, as the engine
+        quiet = dropout_off(self.model) if self.lora and not torch.is_grad_enabled() else contextlib.nullcontext()
         if self.logprob_chunk_tokens > 0:  # the head runs chunk by chunk (distflow.logprobs)
             def chunked_head(hidden: torch.Tensor) -> torch.Tensor:
                 window = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
                 return chunked_stats(window, self.head, targets, batch.resp_mask, temperature,
                                      self.logprob_chunk_tokens, with_entropy)
 
-            with head_replaced(self.head, chunked_head):
+            with head_replaced(self.head, chunked_head), quiet:
                 stats = self.model(**inputs).logits  # [B, R, 1 or 2]
             lp, entropy = stats[..., 0], (stats[..., 1] if with_entropy else None)
         else:  # [B, R, V] logits for the whole micro-batch
-            logits = self.model(**inputs).logits
+            with quiet:
+                logits = self.model(**inputs).logits
             sel = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))
             lp, entropy = token_stats(sel, targets, temperature, with_entropy)
             lp = lp * batch.resp_mask
             entropy = entropy * batch.resp_mask if with_entropy else None
         self._reshard_if_no_grad()
         return lp, entropy
+
+
+class FrozenBase:
+    """A LoRA policy seen with its adapters off: the frozen base model, which is what a separate
+    reference loaded from model.path would compute. Only the logprob pass the trainer asks of a
+    reference (distflow.update.response_logprobs)."""
+
+    def __init__(self, policy: Policy):
+        self.policy = policy
+
+    def logprobs(self, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
+        with adapters_disabled(self.policy.model):
+            return self.policy.logprobs(batch, temperature)

@@ -43,7 +43,8 @@ from distflow.layout import ParallelLayout
 from distflow.metrics import MetricLogger
 from distflow.models import resolve_on_local_rank0_first
 from distflow.output import save_config, setup_output
-from distflow.policy import Policy
+from distflow.lora import adapter_tensors
+from distflow.policy import Policy, check_lora_targets
 from distflow.preemption import StepBoundary, Stopped, StopSignal, write_stop_file
 from distflow.reporting import StragglerWatch, UpdateResult, run_summary, step_report, timed
 from distflow.resume import ResumePlan, config_record, plan_resume
@@ -103,12 +104,14 @@ class Trainer:
         wants_val = bool(t.val_every or t.val_before_train or t.val_at_end)
         self.heldout = load_prompts(cfg.task, tok, limit, split="heldout") if wants_val else []
         self.sampler = ShardedSampler(len(self.items), self.dist.rank, self.dist.world_size, t.seed, cfg.data.shuffle)
+        check_lora_targets(self.model_path, cfg.model)  # before any weights load
         self.engine = build_engine(self.model_path, cfg.model, cfg.rollout, self.dist.device, t.seed,
                                    self.layout.engine_group)
         self.policy = Policy(self.model_path, cfg.model, cfg.optim, self.layout)
-        # The frozen reference exists only when KL is on: beta = 0 costs nothing.
-        self.reference = Policy(self.model_path, cfg.model, cfg.optim, self.layout, trainable=False) \
-            if a.kl_coef > 0 else None
+        # The frozen reference exists only when KL is on: beta = 0 costs nothing. With LoRA it is
+        # the policy with its adapters off.
+        self.reference = None if a.kl_coef <= 0 else self.policy.base() if self.policy.lora \
+            else Policy(self.model_path, cfg.model, cfg.optim, self.layout, trainable=False)
         # The critic exists only for estimators that need values (PPO's GAE).
         critic_path = resolve_on_local_rank0_first(cfg.critic.path, self.dist.local_rank) if cfg.critic.path \
             else self.model_path
@@ -291,6 +294,10 @@ class Trainer:
                              f"{self.nonfinite_streak} consecutive steps (trainer.max_nonfinite_steps); stopping")
 
     def sync_weights(self) -> None:
+        """The engine gets the policy: all weights (a LoRA policy's merged), or only the adapters."""
+        if self.policy.lora and self.cfg.model.lora.resync == "adapter":
+            self.engine.load_adapter(adapter_tensors(self.policy.model), self.policy.adapter_config)
+            return
         bucket = self.cfg.rollout.sync_bucket_mib << 20
         self.engine.load_weights(full_parameters(self.policy.model, getattr(torch, self.cfg.model.dtype), bucket))
 
@@ -312,7 +319,9 @@ class Trainer:
     def register_state(self) -> None:
         """Everything a resume restores, named once."""
         ck = self.checkpointer
-        ck.register(POLICY, ModelOptimState(self.policy.model, self.policy.optimizer), "sharded")
+        # a LoRA policy's checkpoint is its adapters and their optimizer: model.path holds the base
+        ck.register(POLICY, ModelOptimState(self.policy.model, self.policy.optimizer, trainable_only=self.policy.lora),
+                    "sharded")
         ck.register("policy_schedule", self.policy.scheduler, "shared")
         if self.critic is not None:
             ck.register("critic", ModelOptimState(self.critic.model, self.critic.optimizer), "sharded")
@@ -360,8 +369,9 @@ class Trainer:
     def finish(self, wall_s: float) -> None:
         """End of run: export, then summary.json and plots."""
         t = self.cfg.trainer
-        if t.export_at_end:  # a plain HF folder of the final policy
-            export_live(self.policy.model, self.model_path, os.path.join(t.output_dir, "hf_model"), self.dist.is_main)
+        if t.export_at_end:  # a plain HF folder of the final policy (LoRA: merged, and the adapter folder)
+            export_live(self.policy.model, self.model_path, os.path.join(t.output_dir, "hf_model"), self.dist.is_main,
+                        self.policy.adapter_config, os.path.join(t.output_dir, "adapter"))
         summary = run_summary(self.step, wall_s, self.dist.world_size, self.evaluations, self.history)
         self.summary_file = self.logger.finish(summary, plots=t.plot_at_end)
 

@@ -14,16 +14,23 @@ resync to overwrite them). The resync is then the only way back: wake the weight
 stream the new weights into it, wake the KV cache, reset the prefix cache. Nothing generates in
 between (`generate` refuses while asleep), since the engine's weights are undefined until the
 reload. On CPU vLLM has no sleep mode and both calls do nothing.
+
+LoRA (`model.lora.resync=adapter`): the engine keeps the base weights it loaded from model.path
+and serves one adapter, replaced after every update by `load_adapter` from a RAM-backed folder
+(vLLM 0.32 loads adapters from folders only); every later request names it. Such an engine
+does not sleep: level 2 would free the base weights, which no resync sends again.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from typing import Iterable
 
 import torch
 
-from distflow.config import ConfigError, ModelConfig, RolloutConfig
+from distflow.config import MAX_ENGINE_LORA_RANK, ConfigError, ModelConfig, RolloutConfig
 from distflow.devices import enforce_eager, torch_dtype
 from distflow.rollout.base import Sample
 
@@ -81,6 +88,13 @@ class VLLMEngine:
             trust_remote_code=model.trust_remote_code,
             use_tqdm_on_load=False,
         )
+        self.adapter_dir, self.lora_request = None, None
+        if model.lora.enabled and model.lora.resync == "adapter":
+            # vLLM's ranks: 1, 8, 16, 32, ...; the smallest that holds the adapter
+            ranks = (1, 8, 16, 32, 64, 128, 256, 320, MAX_ENGINE_LORA_RANK)
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=next(r for r in ranks if r >= model.lora.rank))
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+            self.adapter_dir = tempfile.mkdtemp(prefix="distflow-adapter-", dir=shm)
         if on_cpu:  # KV cache per engine; vLLM's CPU default reserves most of RAM per engine
             kwargs.update(kv_cache_memory_bytes=int(rollout.kv_cache_gib * 2**30))
         else:
@@ -113,7 +127,8 @@ class VLLMEngine:
         if not prompts:
             return []
         params = [self._sampling_params(n, s, greedy) for s in seeds]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
+                                 lora_request=self.lora_request)
         groups = []
         for prompt, out in zip(prompts, outs):
             group = []
@@ -133,7 +148,12 @@ class VLLMEngine:
             return []
         # prompt_logprobs is computed from raw logits (temperature does not apply to prompts).
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=False)
+        # With LoRA on, one sequence per call: vLLM 0.32's LoRA logits layer (Llama-family models)
+        # maps adapters per request, not per prompt token, and fails on a batch of prompts
+        # (vllm-project/vllm#29955), with or without an adapter in the request.
+        batches = [[s] for s in seqs] if self.adapter_dir is not None else [seqs]
+        outs = [o for batch in batches for o in self.llm.generate(
+            [TokensPrompt(prompt_token_ids=s) for s in batch], params, use_tqdm=False, lora_request=self.lora_request)]
         return [[d[t].logprob for d, t in zip(o.prompt_logprobs[1:], s[1:])] for o, s in zip(outs, seqs)]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -152,12 +172,29 @@ class VLLMEngine:
             self.sleeping = False
         self.llm.reset_prefix_cache()
 
+    def load_adapter(self, tensors: dict[str, torch.Tensor], config) -> None:
+        """Serve the adapter `tensors` (PEFT file names) on top of the base from now on: written as
+        a PEFT folder in RAM, loaded in place of the previous one (same id, load_inplace), and
+        named by every later request. Before the first call the engine serves the base, which is
+        what a fresh adapter (B = 0) computes."""
+        from vllm.lora.request import LoRARequest
+
+        from distflow.lora import write_adapter_folder
+
+        assert self.adapter_dir is not None, "load_adapter needs an engine built for model.lora.resync=adapter"
+        write_adapter_folder(tensors, config, self.adapter_dir)
+        self.llm.llm_engine.add_lora(LoRARequest("policy", 1, self.adapter_dir, load_inplace=True))
+        self.lora_request = LoRARequest("policy", 1, self.adapter_dir)
+        self.llm.reset_prefix_cache()
+
     def sleep(self) -> None:
         """Free weights and KV cache for the update (level 2: nothing is copied to host memory)."""
-        if not self.on_cpu and self.cfg.sleep_during_update and not self.sleeping:
+        if not self.on_cpu and self.cfg.sleep_during_update and not self.sleeping and self.adapter_dir is None:
             self.llm.sleep(level=2)
             self.sleeping = True
 
     def shutdown(self) -> None:
         # vLLM's shutdown tears down the default process group: callers do this last.
         del self.llm
+        if self.adapter_dir:
+            shutil.rmtree(self.adapter_dir, ignore_errors=True)

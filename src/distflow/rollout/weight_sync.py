@@ -16,6 +16,8 @@ from typing import Iterator
 import torch
 from torch.distributed.tensor import DTensor
 
+from distflow.lora import has_adapters, merged_parameters
+
 log = logging.getLogger("distflow")
 
 # The post-resync probe warns above these max |engine - policy| logprobs. In float32 both sides
@@ -56,7 +58,9 @@ def warn_if_out_of_sync(diff: float, dtype: str, step: int) -> float:
 def full_parameters(
     model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, full tensor in `dtype`) for every unique parameter of `model`.
+    """Yield (name, full tensor in `dtype`) for every unique parameter of `model`; a model with
+    LoRA adapters yields its base weights with the adapters merged in, under the HF names
+    (distflow.lora.merged_parameters).
 
     named_parameters() deduplicates tied weights (e.g. lm_head tied to embed_tokens), so a
     tied head is sent once under the embedding's name; engines that keep a separate head
@@ -64,12 +68,16 @@ def full_parameters(
     """
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
-    for name, param in model.named_parameters():
-        t = param.detach().to(dtype)  # cast the shard, then gather: bf16 moves half the bytes
-        t = t.full_tensor() if isinstance(t, DTensor) else t
+    for name, t in merged_parameters(model, dtype) if has_adapters(model) else _gathered(model, dtype):
         bucket.append((name, t))
         size += t.numel() * t.element_size()
         if size >= bucket_bytes:
             yield from bucket
             bucket, size = [], 0
     yield from bucket
+
+
+def _gathered(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, param in model.named_parameters():
+        t = param.detach().to(dtype)  # cast the shard, then gather: bf16 moves half the bytes
+        yield name, t.full_tensor() if isinstance(t, DTensor) else t
