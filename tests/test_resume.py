@@ -2,6 +2,7 @@
 get derived RNG streams), and the rules that decide whether a launch continues the run in its
 output folder (distflow.resume). Real gloo ranks, real FSDP2 models, real DCP files."""
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -116,6 +117,18 @@ def test_config_differences_name_the_run_keys_only():
         "model.path: 'tiny' -> 'elsewhere'", "task.gym_config: {} -> {'digits': 3}",
         "trainer.seed: 0 -> 1", "trainer.steps: 3 -> 9"]
     assert config_differences(a, a) == []
+    # a subsection compares key by key; its resync mode is operational
+    b = DistflowConfig()
+    b.model.lora.enabled, b.model.lora.rank, b.model.lora.resync = True, 16, "adapter"
+    assert config_differences(a, config_record(b)) == ["model.lora.enabled: False -> True",
+                                                       "model.lora.rank: 8 -> 16"]
+    # a run saved before a key existed used its default: no difference, until it is changed
+    old = copy.deepcopy(a)
+    del old["model"]["lora"], old["model"]["grad_bucket_mib"], old["trainer"]["straggler_warn_steps"]
+    assert config_differences(old, a) == []
+    b = DistflowConfig()
+    b.model.lora.enabled = True
+    assert config_differences(old, config_record(b)) == ["model.lora.enabled: False -> True"]
 
 
 def test_auto_continues_the_same_run_and_refuses_another(tmp_path):

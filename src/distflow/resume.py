@@ -32,7 +32,7 @@ from distflow.config import ConfigError, DistflowConfig
 OPERATIONAL_KEYS = frozenset({
     "model.dtype", "model.shard_ranks", "model.trust_remote_code", "model.meta_device_init",
     "model.activation_checkpointing", "model.logprob_chunk_tokens", "model.replica_grad_sync",
-    "model.grad_bucket_mib",
+    "model.grad_bucket_mib", "model.lora.resync",
     "rollout.engine", "rollout.kv_cache_gib", "rollout.gpu_memory_utilization", "rollout.enforce_eager",
     "rollout.sleep_during_update", "rollout.sync_bucket_mib",
     "rollout.tensor_parallel_size",
@@ -68,14 +68,24 @@ def config_record(cfg: DistflowConfig) -> dict[str, Any]:
     return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
 
 
+# Sub-sections of the config (nested dataclasses), compared key by key like the sections.
+SUBSECTIONS = frozenset({"model.lora"})
+
+
 def _flat(record: dict[str, Any]) -> dict[str, Any]:
-    """{"section.key": value}; a dict-valued key (task.gym_config) stays one value."""
-    return {f"{section}.{key}": value for section, keys in record.items() for key, value in keys.items()}
+    """{"section.key": value}; a dict-valued key (task.gym_config) stays one value, a
+    subsection's keys are listed one by one ("model.lora.rank")."""
+    flat = {f"{section}.{key}": value for section, keys in record.items() for key, value in keys.items()}
+    for sub in SUBSECTIONS & flat.keys():
+        flat.update({f"{sub}.{key}": value for key, value in flat.pop(sub).items()})
+    return flat
 
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """'key: saved -> current' for every key that names the run and differs."""
-    a, b = _flat(saved), _flat(current)
+    """'key: saved -> current' for every key that names the run and differs. A key newer than the
+    saved run counts as saved at its default (a run from before the key existed used it)."""
+    a = {**_flat(config_record(DistflowConfig())), **_flat(saved)}
+    b = _flat(current)
     keys = sorted((a.keys() | b.keys()) - OPERATIONAL_KEYS)
     missing = "(unset)"
     return [f"{k}: {a.get(k, missing)!r} -> {b.get(k, missing)!r}" for k in keys if a.get(k, missing) != b.get(k, missing)]
