@@ -55,8 +55,9 @@ class ModelOptimState(Stateful):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, trainable_only: bool = False):
         self.model, self.optimizer = model, optimizer
-        self.options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
-        # torch's ignore_frozen_params misses a second name of a tied weight (lm_head.weight)
+        self.options = StateDictOptions(strict=not trainable_only)
+        # every name of a frozen parameter, a tied weight's second one (lm_head.weight) included,
+        # which torch's own ignore_frozen_params would keep
         self.frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad} \
             if trainable_only else set()
 

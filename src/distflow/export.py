@@ -76,8 +76,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, merged: bool = False) -> st
         state = {POLICY: {"model": {k: v for k, v in model.state_dict().items() if is_adapter_key(k)}}}
     else:
         state = {POLICY: {"model": model.state_dict()}}
-    dcp.load(state, checkpoint_id=str(path))
-    model.load_state_dict(state[POLICY]["model"], strict=not lora.enabled)
+    dcp.load(state, checkpoint_id=str(path))  # in place, into the model's own tensors
     if config is not None and not merged:
         return write_adapter_folder(adapter_tensors(model), config, out_dir)
     weights = dict(merged_parameters(model, torch.float32)) if config is not None else state[POLICY]["model"]

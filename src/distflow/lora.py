@@ -117,9 +117,9 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def merged_parameters(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor in `dtype`) for every parameter of the model with its adapters
+    """(HF name, full tensor in `dtype`) for every parameter of the model, adapters (if any)
     folded in: W + alpha/r * B @ A, computed in float32 from the gathered base and adapters, then
-    cast. Collective, in named_parameters() order, like weight_sync.full_parameters.
+    cast. Collective, in named_parameters() order; weight_sync.full_parameters buckets it.
 
     Written here rather than with PEFT's merge: PEFT merges into the (sharded) base weight in
     place, and the policy must keep training on the unmerged base."""

@@ -165,8 +165,13 @@ def check_lora_targets(model_path: str, model_cfg: ModelConfig) -> None:
         return
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=model_cfg.trust_remote_code)
     model = skeleton(AutoModelForCausalLM, config, model_cfg.trust_remote_code)
+    _adapt_skeleton(model, peft_config(model_cfg.lora, decoder_blocks(model)))
+
+
+def _adapt_skeleton(model: torch.nn.Module, config) -> None:
+    """Meta-device adapters on a meta skeleton: no memory, no RNG draws (a full load draws them)."""
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
-        add_adapters(model, peft_config(model_cfg.lora, decoder_blocks(model)))
+        add_adapters(model, config)
 
 
 class Policy(ShardedModel):
@@ -181,17 +186,12 @@ class Policy(ShardedModel):
                                     model_cfg.trust_remote_code)
         self.adapter_config = None  # PEFT's LoraConfig of the adapters, when there are any
         if model_cfg.lora.enabled and trainable:
-            self.adapter_config = peft_config(model_cfg.lora, decoder_blocks(model), model_path)
-
-            def adapt(m: torch.nn.Module) -> torch.nn.Module:
-                return add_adapters(m, self.adapter_config)
-
+            config = self.adapter_config = peft_config(model_cfg.lora, decoder_blocks(model), model_path)
             if is_meta(model):  # the skeleton gets meta adapters; rank 0's load fills them
-                with torch.random.fork_rng(devices=[]), torch.device("meta"):
-                    adapt(model)
+                _adapt_skeleton(model, config)
             else:
-                adapt(model)
-            load = (lambda full=load: adapt(full()))
+                add_adapters(model, config)
+            load = (lambda full=load: add_adapters(full(), config))
         super().__init__(model, model_cfg, optim, layout, trainable, load_full=load)
 
     def base(self) -> "FrozenBase":

@@ -14,9 +14,7 @@ import logging
 from typing import Iterator
 
 import torch
-from torch.distributed.tensor import DTensor
-
-from distflow.lora import has_adapters, merged_parameters
+from distflow.lora import merged_parameters
 
 log = logging.getLogger("distflow")
 
@@ -68,7 +66,7 @@ def full_parameters(
     """
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
-    for name, t in merged_parameters(model, dtype) if has_adapters(model) else _gathered(model, dtype):
+    for name, t in merged_parameters(model, dtype):
         bucket.append((name, t))
         size += t.numel() * t.element_size()
         if size >= bucket_bytes:
@@ -76,8 +74,3 @@ def full_parameters(
             bucket, size = [], 0
     yield from bucket
 
-
-def _gathered(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, param in model.named_parameters():
-        t = param.detach().to(dtype)  # cast the shard, then gather: bf16 moves half the bytes
-        yield name, t.full_tensor() if isinstance(t, DTensor) else t
