@@ -16,12 +16,11 @@ start-up, before taking calls, to pay one-off costs (heavy imports) outside the 
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable
 
-from distflow.config import ConfigError
 from distflow.rewards.builtin import countdown_reward, format_reward, gsm8k_reward, length_penalty_reward, math_reward
 from distflow.rewards.numeric import numeric_match
+from distflow.specs import resolve
 
 RewardFn = Callable[[str, str, list, dict], float]
 
@@ -41,15 +40,4 @@ BUILTIN: dict[str, RewardFn] = {
 
 
 def load_reward(spec: str) -> RewardFn:
-    if spec in BUILTIN:
-        return BUILTIN[spec]
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"task.reward {spec!r} is neither a built-in ({', '.join(BUILTIN)}) nor 'module:function'")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except Exception as e:  # ImportError, AttributeError, or anything the module raises on import
-        raise ConfigError(f"task.reward {spec!r} cannot be imported: {e}") from e
-    if not callable(fn):
-        raise ConfigError(f"task.reward {spec!r} is not callable")
-    return fn
+    return resolve(spec, BUILTIN, "task.reward")

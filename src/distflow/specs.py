@@ -1,0 +1,28 @@
+"""Resolve a user-named callable: a built-in name, or `package.module:attribute` imported.
+
+Rewards, environments and tool-call parsers are all named this way in the config; any problem
+(a typo, a module that fails to import, a missing attribute) is one ConfigError line naming the
+config key, raised at start-up on every rank.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Mapping
+
+from distflow.config import ConfigError
+
+
+def resolve(spec: str, builtins: Mapping[str, object], key: str, form: str = "module:function"):
+    if spec in builtins:
+        return builtins[spec]
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{key} {spec!r} is neither a built-in ({', '.join(builtins)}) nor '{form}'")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except Exception as e:  # ImportError, AttributeError, or anything the module raises on import
+        raise ConfigError(f"{key} {spec!r} cannot be imported: {type(e).__name__}: {e}".replace("\n", " ")) from e
+    if not callable(obj):
+        raise ConfigError(f"{key} {spec!r} is not callable")
+    return obj
