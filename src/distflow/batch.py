@@ -30,7 +30,10 @@ class TokenBatch:
     attention_mask: torch.Tensor  # [B, L]
     position_ids: torch.Tensor  # [B, L]
     resp_len: torch.Tensor  # [B] response tokens per row
-    resp_mask: torch.Tensor  # [B, R] 1 on real response tokens, left-aligned
+    # [B, R] 1 on the response tokens the policy generated, left-aligned: 0 on padding and on the
+    # observation tokens an environment appended between turns (context only, so every phase that
+    # reads this mask — logprobs, advantages, the losses — leaves them out).
+    resp_mask: torch.Tensor
 
     @staticmethod
     def from_samples(samples: list[Sample], pad_id: int, device: torch.device) -> "TokenBatch":
@@ -43,7 +46,7 @@ class TokenBatch:
         for i, (seq, s) in enumerate(zip(seqs, samples)):
             ids[i, width - len(seq):] = torch.tensor(seq)
             attn[i, width - len(seq):] = 1
-            rmask[i, : len(s.response_ids)] = 1.0
+            rmask[i, : len(s.response_ids)] = 1.0 if s.mask is None else torch.tensor(s.mask, dtype=torch.float32)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         resp_len = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.long)
         return TokenBatch(ids.to(device), attn.to(device), pos.to(device), resp_len.to(device), rmask.to(device))

@@ -39,7 +39,7 @@ class AdvantageInputs:
 
     scores: torch.Tensor  # [N] outcome reward per sample, after shaping (distflow.scoring.shape_rewards)
     token_rewards: torch.Tensor  # [N, R] per-token rewards (e.g. -beta * KL), 0 on padding
-    mask: torch.Tensor  # [N, R] 1 on valid response tokens
+    mask: torch.Tensor  # [N, R] 1 on generated response tokens (0 on padding and observation tokens)
     values: Optional[torch.Tensor] = None  # [N, R] the critic's V(state before token t), for GAE
 
     def sequence_rewards(self) -> torch.Tensor:
@@ -118,25 +118,35 @@ def rloo_advantages(rewards: torch.Tensor, cfg: AlgorithmConfig, global_sum: Glo
     return _zero_equal_groups(rewards - (rewards.sum(dim=1, keepdim=True) - rewards) / (g - 1), rewards)
 
 
+def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
+    """[N] column of each row's last valid token (-1 for a row with none); masks may have holes
+    (a multi-turn episode's observation tokens)."""
+    cols = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    return torch.where(mask > 0, cols, torch.full_like(cols, -1)).amax(dim=1) if mask.shape[1] else \
+        torch.full((mask.shape[0],), -1, dtype=torch.long)
+
+
 def _outcome_token_rewards(inputs: AdvantageInputs, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[N, R] token rewards with each sample's outcome reward added on its last valid token (an
     empty response has no token to carry it)."""
     m = inputs.mask.to(dtype)
     token_rewards = inputs.token_rewards.to(dtype) * m
-    lengths = m.sum(-1).long()
-    rows = (lengths > 0).nonzero().flatten()
-    token_rewards[rows, lengths[rows] - 1] += inputs.scores.reshape(-1).to(dtype)[rows]
+    last = last_valid_index(m)
+    rows = (last >= 0).nonzero().flatten()
+    token_rewards[rows, last[rows]] += inputs.scores.reshape(-1).to(dtype)[rows]
     return token_rewards
 
 
 def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """G_t = r_t + gamma * G_{t+1} over each row's valid tokens, [N, R] (0 on padding)."""
+    """G_t = r_t + gamma * G_{t+1} over each row's valid tokens, [N, R] (0 on padding). Masked
+    positions inside a row (observation tokens) are skipped: the recursion runs over the valid
+    tokens only, as if the others were not there."""
     m = mask.to(token_rewards.dtype)
     out = torch.zeros_like(token_rewards)
     running = torch.zeros_like(token_rewards[:, 0])
     for t in reversed(range(token_rewards.shape[1])):
-        running = (token_rewards[:, t] + gamma * running) * m[:, t]
-        out[:, t] = running
+        running = torch.where(m[:, t] > 0, token_rewards[:, t] + gamma * running, running)
+        out[:, t] = running * m[:, t]
     return out
 
 
