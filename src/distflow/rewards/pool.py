@@ -43,6 +43,7 @@ from collections import deque
 from multiprocessing.connection import Connection, wait
 
 from distflow.config import ConfigError
+from distflow.envs import Step, build_env
 from distflow.rewards.registry import load_reward
 
 log = logging.getLogger("distflow")
@@ -52,21 +53,25 @@ _WHAT = {"error": "raised", "crash": "killed its worker process", "invalid": "re
          "timeout": "timed out"}
 
 
-def _call(fn, args) -> tuple[str, object]:
-    """("ok", value) | ("error", traceback) | ("invalid", repr of what came back)."""
+def _call(fn, args, step: bool = False) -> tuple[str, object]:
+    """("ok", value) | ("error", traceback) | ("invalid", repr of what came back). A reward's value
+    is a finite real number; an environment's (step=True) a Step with a finite reward."""
     try:
         value = fn(*args)
     except KeyboardInterrupt:
         raise
     except BaseException:  # noqa: B036 - a reward calling sys.exit() is a reward error too
         return "error", traceback.format_exc()
-    if isinstance(value, numbers.Real) and math.isfinite(value):
+    if not step and isinstance(value, numbers.Real) and math.isfinite(value):
         return "ok", float(value)
+    if step and isinstance(value, Step) and isinstance(value.reward, numbers.Real) and math.isfinite(value.reward):
+        return "ok", value
     return "invalid", repr(value)[:200]
 
 
-def _worker_main(fd: int, specs: list[str]) -> None:
-    """A worker's life: resolve the specs, say "ready", then answer batches unit by unit."""
+def _worker_main(fd: int, specs: list[str], env: list | None = None) -> None:
+    """A worker's life: resolve the specs (and the environment), say "ready", then answer batches
+    unit by unit. Unit component len(specs) is the environment's step."""
     ppid = os.getppid()
 
     def orphan_watch() -> None:  # a trainer killed with SIGKILL cannot close us: leave with it
@@ -77,6 +82,8 @@ def _worker_main(fd: int, specs: list[str]) -> None:
     threading.Thread(target=orphan_watch, daemon=True).start()
     conn = Connection(fd)
     fns = [load_reward(s) for s in specs]
+    if env is not None:
+        fns.append(build_env(*env).step)
     for fn in fns:
         if callable(getattr(fn, "prepare", None)):
             fn.prepare()
@@ -84,21 +91,21 @@ def _worker_main(fd: int, specs: list[str]) -> None:
     try:
         while (batch := conn.recv()) is not None:
             for uid, comp, args in batch:
-                conn.send((uid, *_call(fns[comp], args)))
+                conn.send((uid, *_call(fns[comp], args, step=comp == len(specs))))
     except (EOFError, OSError):  # the parent closed us, or died: nothing to report to
         return
 
 
-# The worker's command line: fd, specs as JSON, then this process's sys.path entries.
+# The worker's command line: fd, [specs, env] as JSON, then this process's sys.path entries.
 _BOOT = ("import sys; sys.path[:] = sys.argv[3:]; import json; from distflow.rewards.pool import _worker_main; "
-         "_worker_main(int(sys.argv[1]), json.loads(sys.argv[2]))")
+         "_worker_main(int(sys.argv[1]), *json.loads(sys.argv[2]))")
 
 
 class _Worker:
-    def __init__(self, specs: list[str]):
+    def __init__(self, specs: list[str], env: list | None):
         mine, theirs = socket.socketpair()
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _BOOT, str(theirs.fileno()), json.dumps(specs), *sys.path],
+            [sys.executable, "-c", _BOOT, str(theirs.fileno()), json.dumps([specs, env]), *sys.path],
             pass_fds=[theirs.fileno()], start_new_session=True)  # start_new_session: Ctrl-C is the trainer's
         theirs.close()
         self.conn = Connection(mine.detach())
@@ -112,7 +119,8 @@ class _Worker:
 
 
 class RewardPool:
-    def __init__(self, spec: str | dict[str, float], workers: int, timeout_s: float):
+    def __init__(self, spec: str | dict[str, float], workers: int, timeout_s: float, env: str = "",
+                 env_args: dict | None = None):
         items = spec.items() if isinstance(spec, dict) else [(spec, 1.0)]
         self.components = [(s, float(w)) for s, w in items]
         if not self.components:
@@ -122,17 +130,27 @@ class RewardPool:
                 raise ConfigError(f"reward {s!r} with weight {w!r}: need a spec string and a finite weight")
         # Resolve every spec here first: a typo fails at start-up as a ConfigError, not in a worker.
         self._fns = [load_reward(s) for s, _ in self.components]
+        # An environment's steps run here too (distflow.envs), under the same limit; building it
+        # here first makes a bad task.env a ConfigError before any process starts.
+        self._env = [env, dict(env_args or {})] if env else None
+        if self._env:
+            self._fns.append(build_env(*self._env).step)
         if workers < 0 or timeout_s <= 0:
             raise ConfigError(f"need task.reward_workers >= 0 and task.reward_timeout_s > 0, got {workers}, {timeout_s}")
         self.timeout_s = float(timeout_s)
         self._specs = [s for s, _ in self.components]
         self._logged: set[tuple[str, str]] = set()
-        self._workers = [_Worker(self._specs) for _ in range(workers)]  # start-up overlaps the caller's
+        self._workers = [self._start() for _ in range(workers)]  # start-up overlaps the caller's
+
+    def _start(self) -> _Worker:
+        return _Worker(self._specs, self._env)
 
     @classmethod
     def from_task(cls, task) -> "RewardPool":
-        """From a TaskConfig: `rewards` (if non-empty) else `reward`, `reward_workers`, `reward_timeout_s`."""
-        return cls(dict(task.rewards) or task.reward, task.reward_workers, task.reward_timeout_s)
+        """From a TaskConfig: `rewards` (if non-empty) else `reward`, `reward_workers`,
+        `reward_timeout_s`, and the environment (`env`, `env_args`) when there is one."""
+        return cls(dict(task.rewards) or task.reward, task.reward_workers, task.reward_timeout_s, task.env,
+                   dict(task.env_args))
 
     def wait_ready(self) -> "RewardPool":
         """Block until every worker has started. Optional: score() uses whichever are ready."""
@@ -162,6 +180,27 @@ class RewardPool:
                 log.warning("reward %r %s on completion %r; scored 0.0 (logged once, later ones only counted):\n%s",
                             spec, _WHAT[kind], str(calls[i][1])[:200], value)
         return rewards, stats
+
+    def steps(self, calls: list[tuple[dict, list[dict]]]) -> tuple[list[tuple[str, object]], dict[str, int]]:
+        """The environment's step for each (item, transcript) call: ("ok", Step), or the failure
+        ("error" | "crash" | "invalid" | "timeout", detail); the first failure of each kind is
+        logged. Also returns the counts, as score() does."""
+        env = len(self.components)
+        stats = {"errors": 0, "timeouts": 0, "invalid": 0, "restarts": 0}
+        units = [(i, env) for i in range(len(calls))]
+        if self._workers:
+            results = self._run_in_workers(units, calls, stats)
+        else:
+            results = [_call(self._fns[env], call, step=True) for call in calls]
+        for call, (kind, value) in zip(calls, results):
+            if kind == "ok":
+                continue
+            stats[_STAT_KEY[kind]] += 1
+            if (kind, "env") not in self._logged:
+                self._logged.add((kind, "env"))
+                log.warning("environment %r %s on a turn %r; the episode ends there (logged once, later ones only "
+                            "counted):\n%s", self._env[0], _WHAT[kind], str(call[1][-1].get("content"))[:200], value)
+        return results, stats
 
     def _run_in_workers(self, units, calls, stats) -> list:
         results: list = [None] * len(units)
@@ -213,7 +252,7 @@ class RewardPool:
                 ("crash", f"the worker process died (exit code {w.proc.returncode}) during this call")
             todo.extendleft(reversed(w.inflight))
         stats["restarts"] += 1
-        return _Worker(self._specs)
+        return self._start()
 
     def close(self) -> None:
         for w in self._workers:

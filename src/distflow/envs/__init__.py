@@ -1,0 +1,140 @@
+"""Environments: what answers the model's turns in a multi-turn episode (distflow.episodes).
+
+`task.env` names the class ("tools" for `ToolEnv`, or "package.module:Class"); it is built
+with `task.env_args` as keyword arguments, once in the trainer's process and once in each
+reward-pool worker. Two methods:
+
+    class MyEnv:
+        def reset(self, item: dict, messages: list[dict]) -> list[dict]:
+            # The episode's first messages, from the dataset row and the messages its prompt
+            # column gave (task.system_prompt included). Runs where the dataset loads, in the
+            # trainer's process: it must be quick and deterministic.
+        def step(self, item: dict, transcript: list[dict]) -> Step:
+            # transcript: the messages after the first ones, ending with the model's latest turn
+            # ({"role": "assistant", "content": text}). Returns the observation messages to
+            # append (tool results, a user's reply), a reward contribution, and done.
+
+`step` runs in the reward pool's worker processes under task.reward_timeout_s: a step that
+hangs or kills its worker ends that episode (counted in tool/timeouts or tool/errors) and the
+worker is replaced; no rank stalls. Environments keep no state between calls: the transcript
+is the state, so any worker can take any step and a replaced worker loses nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from distflow.config import ConfigError, TaskConfig
+from distflow.envs.parsers import ToolCallError, load_parser
+from distflow.envs.tools import build_tools, truncate
+from distflow.specs import resolve
+
+
+@dataclass
+class Step:
+    """An environment's answer to one model turn."""
+
+    messages: list[dict] = field(default_factory=list)  # appended after the turn; [] with done
+    reward: float = 0.0  # added to the episode's reward (with the task's reward on the final turn)
+    done: bool = False
+    tool_calls: int = 0
+    tool_errors: int = 0  # malformed calls, unknown tools, tools that failed
+    tool_timeouts: int = 0
+
+
+TOOLS_INSTRUCTION = (
+    "To call a tool, write <tool_call>{{\"name\": NAME, \"arguments\": {{...}}}}</tool_call> and end your turn; "
+    "its result comes back in a tool message. Reply without a tool call to give the answer. Tools:\n{tools}"
+)
+
+
+class ToolEnv:
+    """The built-in tool-using environment (task.env=tools).
+
+    A model turn with tool calls (parsed by `parser`: "hermes" = Qwen2/Hermes
+    `<tool_call>{json}</tool_call>`, or "package.module:function") gets one tool message per
+    call back; a turn without one is the final answer and ends the episode (the task's reward
+    scores it). A malformed call or an unknown tool is answered with an error message the model
+    can read, and counted; every output is cut at max_output_chars with a marker.
+
+    `demo`: messages of a worked example (a user turn, the model's call, the tool's answer, the
+    model's answer) put before the episode's own messages: a small model that never calls a
+    tool from the instructions alone does from one example.
+    """
+
+    def __init__(self, tools: list[str] = ("calculator",), parser: str = "hermes", timeout_s: float = 5.0,
+                 memory_mib: int = 512, max_output_chars: int = 2000, demo: list[dict] = ()):
+        self.tools = build_tools(list(tools), timeout_s=timeout_s, memory_mib=memory_mib,
+                                 max_output_chars=max_output_chars)
+        self.parse = load_parser(parser)
+        self.max_output_chars = max_output_chars
+        self.demo = [{"role": str(m["role"]), "content": str(m["content"])} for m in demo]
+
+    def instruction(self) -> str:
+        lines = [f"- {t.name} {_signature(t.parameters)}: {t.description}" for t in self.tools.values()]
+        return TOOLS_INSTRUCTION.format(tools="\n".join(lines))
+
+    def reset(self, item: dict, messages: list[dict]) -> list[dict]:
+        """The tool instructions go first in the system message (a new one if there is none), then
+        the demonstration, then the episode's messages."""
+        system = self.instruction()
+        if messages and messages[0]["role"] == "system":
+            system, messages = f"{system}\n\n{messages[0]['content']}", messages[1:]
+        return [{"role": "system", "content": system}, *self.demo, *messages]
+
+    def step(self, item: dict, transcript: list[dict]) -> Step:
+        try:
+            calls = self.parse(transcript[-1]["content"])
+        except ToolCallError as e:
+            return Step([self._message(f"error: {e}")], tool_calls=1, tool_errors=1)
+        if not calls:
+            return Step(done=True)
+        step = Step(tool_calls=len(calls))
+        for call in calls:
+            tool = self.tools.get(call.name)
+            if tool is None:
+                step.tool_errors += 1
+                step.messages.append(self._message(f"error: unknown tool {call.name!r}; tools: {', '.join(self.tools)}"))
+                continue
+            result = tool(call.arguments)
+            step.tool_errors += result.error and not result.timed_out
+            step.tool_timeouts += result.timed_out
+            step.messages.append(self._message(result.output))
+        return step
+
+    def _message(self, text: str) -> dict:
+        return {"role": "tool", "content": truncate(text, self.max_output_chars)}
+
+
+def _signature(schema: dict) -> str:
+    """A tool's arguments object in one short line, e.g. {"expression": string}."""
+    props = schema.get("properties", {})
+    return "{" + ", ".join(f"{json.dumps(k)}: {v.get('type', 'any')}" for k, v in props.items()) + "}"
+
+
+BUILTIN_ENVS = {"tools": ToolEnv}
+
+
+def load_env_class(spec: str) -> type:
+    return resolve(spec, BUILTIN_ENVS, "task.env", form="module:Class")
+
+
+def build_env(spec: str, args: dict):
+    """An environment instance; any problem building it is a one-line ConfigError."""
+    cls = load_env_class(spec)
+    try:
+        env = cls(**args)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - unknown or bad keyword arguments, or the class's own checks
+        raise ConfigError(f"task.env {spec!r} with task.env_args {args}: {type(e).__name__}: {e}") from e
+    for method in ("reset", "step"):
+        if not callable(getattr(env, method, None)):
+            raise ConfigError(f"task.env {spec!r} has no {method}() method (see distflow.envs)")
+    return env
+
+
+def env_from_task(task: TaskConfig):
+    """The task's environment, or None for single-turn tasks."""
+    return build_env(task.env, dict(task.env_args)) if task.env else None
