@@ -111,6 +111,16 @@ class RolloutConfig:
     # Ranks per vLLM engine: consecutive groups of this many ranks share one tensor-parallel
     # engine (each rank one worker). Must divide the world size and the model's attention heads.
     tensor_parallel_size: int = 1
+    # Multi-turn episodes (task.env set): model turns per episode, each up to max_new_tokens, with
+    # the environment's observations appended in between (distflow.episodes). 1 = single turn.
+    max_turns: int = 1
+    # An episode's response budget: generated plus observation tokens over all turns; an episode
+    # that would pass it ends there, marked truncated. 0 = max_turns * max_new_tokens.
+    max_total_tokens: int = 0
+
+    def response_budget(self) -> int:
+        """The most response tokens (generated + observations) one sample can hold."""
+        return self.max_total_tokens or self.max_turns * self.max_new_tokens
 
 
 @dataclass
@@ -132,7 +142,7 @@ class AlgorithmConfig:
     # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm. The seq-mean
     # modes divide by the number of sequences including fully masked ones (e.g. dropped by the
     # overlong filter), as verl's original agg_loss (newer verl leaves them out); seq-mean-token-sum-norm divides each sequence's token
-    # sum by rollout.max_new_tokens (a constant, Dr. GRPO's), where verl divides by the padded
+    # sum by rollout.max_new_tokens (multi-turn: the response budget; a constant, Dr. GRPO's), where verl divides by the padded
     # response width unless given a loss_scale_factor.
     loss_agg_mode: str = "token-mean"
     ppo_epochs: int = 1
@@ -210,6 +220,11 @@ class TaskConfig:
     rewards: Dict[str, float] = field(default_factory=dict)
     reward_timeout_s: float = 10.0  # hard per-call limit, enforced in worker processes
     reward_workers: int = 2
+    # An environment for multi-turn episodes (distflow.envs): "tools" (the built-in tool-using
+    # environment: distflow.envs.ToolEnv) or "package.module:Class"; "" = single-turn generation.
+    # Its steps run in the reward pool's workers, under reward_timeout_s per step.
+    env: str = ""
+    env_args: Dict[str, Any] = field(default_factory=dict)  # keyword arguments of the class
     # Procedural tasks (name=reasoning_gym): dataset name, its config, sizes and seeds.
     gym_dataset: str = "basic_arithmetic"
     gym_config: Dict[str, Any] = field(default_factory=dict)
@@ -305,6 +320,11 @@ class DistflowConfig:
              f"rollout.tensor_parallel_size={r.tensor_parallel_size} needs rollout.engine=vllm (the hf engine is one "
              "whole model per rank)"),
             (r.temperature > 0, "rollout.temperature must be > 0"),
+            (r.max_turns >= 1, f"rollout.max_turns must be >= 1, got {r.max_turns}"),
+            (r.max_turns == 1 or bool(self.task.env),
+             f"rollout.max_turns={r.max_turns} needs an environment to answer the turns: set task.env"),
+            (r.max_total_tokens >= 0, f"rollout.max_total_tokens must be >= 0 (0 = max_turns * max_new_tokens), "
+             f"got {r.max_total_tokens}"),
             (o.micro_batch_size >= 1 and o.mini_batches >= 1, "optim.micro_batch_size and optim.mini_batches must be >= 1"),
             (o.micro_batch_tokens >= 0, f"optim.micro_batch_tokens must be >= 0 (0 = off), got {o.micro_batch_tokens}"),
             (self.data.prompts_per_rank >= 1, "data.prompts_per_rank must be >= 1"),
@@ -339,8 +359,9 @@ class DistflowConfig:
              f"trainer.device must be auto, cpu or cuda, got {self.trainer.device!r}"),
             (self.trainer.backend in ("auto", "gloo", "nccl"),
              f"trainer.backend must be auto, gloo or nccl, got {self.trainer.backend!r}"),
-            (a.overlong_buffer_len < r.max_new_tokens,
-             f"algorithm.overlong_buffer_len={a.overlong_buffer_len} must be < rollout.max_new_tokens={r.max_new_tokens}"),
+            (a.overlong_buffer_len < r.response_budget(),
+             f"algorithm.overlong_buffer_len={a.overlong_buffer_len} must be < the response length limit "
+             f"{r.response_budget()} (rollout.max_new_tokens; multi-turn: rollout.max_total_tokens)"),
             (c.enabled or a.advantage not in CRITIC_ESTIMATORS,
              f"algorithm.advantage={a.advantage} (PPO) needs a critic: set critic.enabled=true (algorithm=ppo does)"),
             (not c.enabled or a.advantage in CRITIC_ESTIMATORS,

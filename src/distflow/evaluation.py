@@ -15,24 +15,29 @@ from distflow.scoring import score_groups
 PASS_THRESHOLD = 1.0 - 1e-6
 
 
-def evaluate(engine, pool: RewardPool, tokenizer, items: list[PromptItem], dist: DistInfo, k: int = 0,
+def evaluate(runner, pool: RewardPool, tokenizer, items: list[PromptItem], dist: DistInfo, k: int = 0,
              seed: int = 0) -> dict[str, float]:
-    """{"val/pass@1", "val/response_length", "val/items"} (+ "val/pass@k", "val/k" when k > 0)."""
+    """{"val/pass@1", "val/response_length", "val/items"} (+ "val/pass@k", "val/k" when k > 0; + the
+    greedy episodes' "val/turns" and "val/tool_calls" per item, multi-turn).
+    `runner` rolls out as training does (distflow.episodes: single turn, or episodes)."""
     mine = items[dist.rank :: dist.world_size]
-    prompts = [it.prompt_ids for it in mine]
     # every rank calls the engine, also with no items: ranks sharing a tensor-parallel engine call it together
-    greedy = [g[0] for g in engine.generate(prompts, 1, [0] * len(mine), greedy=True)]
+    greedy = [g[0] for g in runner.run(mine, 1, [0] * len(mine), greedy=True)]
     rewards, _ = score_groups(pool, tokenizer, mine, greedy, 1)
+    episodes = [s.episode for s in greedy if s.episode is not None]  # multi-turn: turns and tool use too
     local = [float((rewards >= PASS_THRESHOLD).sum()), float(len(mine)),
-             float(sum(len(s.response_ids) for s in greedy))]
+             float(sum(len(s.response_ids) for s in greedy)), float(sum(e.turns for e in episodes)),
+             float(sum(e.tool_calls for e in episodes))]
     if k > 0:
         seeds = [seed * 7919 + dist.rank * 104729 + i for i in range(len(mine))]
-        sampled = [s for g in engine.generate(prompts, k, seeds) for s in g]
+        sampled = [s for g in runner.run(mine, k, seeds) for s in g]
         rewards_k, _ = score_groups(pool, tokenizer, mine, sampled, k)
         local.append(float((rewards_k >= PASS_THRESHOLD).any(dim=1).sum()))
     total = all_reduce(local).tolist()
     n = max(total[1], 1.0)
     out = {"val/pass@1": total[0] / n, "val/response_length": total[2] / n, "val/items": total[1]}
+    if total[3] > 0:
+        out.update({"val/turns": total[3] / n, "val/tool_calls": total[4] / n})
     if k > 0:
-        out.update({"val/pass@k": total[3] / n, "val/k": float(k)})
+        out.update({"val/pass@k": total[5] / n, "val/k": float(k)})
     return out

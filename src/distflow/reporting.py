@@ -90,6 +90,8 @@ def step_report(cfg: DistflowConfig, step: int, samples: list[Sample], rewards: 
         **{f"reward/{k}": v for k, v in stats.reward_failures.items()},
         **{f"upd/{f.name}": getattr(s, f.name) for f in fields(s)},
     }
+    if cfg.task.env:
+        sums.update(episode_sums(samples))
     timing = with_compute(timing)
     maxima = {f"timing/{k}_s": v for k, v in timing.items()}
     maxima.update({"timing/slowest_rank": slowest_rank_code(timing["compute"]),
@@ -131,6 +133,10 @@ def step_report(cfg: DistflowConfig, step: int, samples: list[Sample], rewards: 
         out["value/rmse"] = (g["upd/value_sq_error"] / values) ** 0.5
         out["critic/grad_norm"] = upd.critic_grad_norm
         out["update/actor_skipped"] = float(upd.actor_skipped)
+    if cfg.task.env:
+        out.update({"turns/mean": g["turns"] / n, "response_length/generated_mean": g["generated"] / n,
+                    "tool/calls": g["tool_calls"], "tool/errors": g["tool_errors"],
+                    "tool/timeouts": g["tool_timeouts"]})
     if cfg.trainer.balance_lengths:
         out.update({f"balance/{k}": v for k, v in stats.balance.items()})
     if a.dynamic_sampling:
@@ -139,6 +145,15 @@ def step_report(cfg: DistflowConfig, step: int, samples: list[Sample], rewards: 
         out["dynamic_sampling/rounds"] = g["dynamic_sampling/rounds"]
         out["update/skipped"] = float(upd.skipped)
     return out
+
+
+def episode_sums(samples: list[Sample]) -> dict[str, float]:
+    """This rank's multi-turn sums: model turns, generated tokens (observations excluded), tool
+    calls, errors and timeouts."""
+    eps = [x.episode for x in samples if x.episode is not None]
+    return {"turns": float(sum(e.turns for e in eps)), "generated": float(sum(x.generated for x in samples)),
+            "tool_calls": float(sum(e.tool_calls for e in eps)), "tool_errors": float(sum(e.tool_errors for e in eps)),
+            "tool_timeouts": float(sum(e.tool_timeouts for e in eps))}
 
 
 def with_compute(timing: dict[str, float]) -> dict[str, float]:

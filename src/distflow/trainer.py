@@ -6,6 +6,8 @@ locally (so group statistics need no communication), and joins the others only t
 FSDP's collectives and a few small all_reduces (global counts, batch statistics, metrics).
 Ranks that share a tensor-parallel engine also all-gather their requests before each engine
 call (distflow.rollout.engine_group); each still keeps only its own groups.
+Multi-turn tasks (task.env) generate episodes instead of single responses (distflow.episodes);
+everything after rollout is the same, with observation tokens masked out of the loss.
 Algorithms differ only in the functions the config selects (distflow.algorithms.registry).
 Each phase returns what it made; nothing is filled in later.
 """
@@ -34,6 +36,8 @@ from distflow.critic import Critic
 from distflow.data.prompts import load_prompts
 from distflow.data.sampler import ShardedSampler
 from distflow.devices import resolve_auto
+from distflow.envs import env_from_task
+from distflow.episodes import EpisodeRunner, SingleTurn
 from distflow.distributed import all_reduce, barrier, broadcast_object, init_distributed, shutdown, waited_s
 from distflow.evaluation import evaluate
 from distflow.export import export_live
@@ -97,16 +101,20 @@ class Trainer:
         self.model_path = resolve_on_local_rank0_first(cfg.model.path, self.dist.local_rank)
         self.tokenizer = tok = AutoTokenizer.from_pretrained(self.model_path)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        env = env_from_task(cfg.task)  # a bad task.env stops here, before any model loads
         self.rewards = RewardPool.from_task(cfg.task)  # workers start while the models load
         self.scoring_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distflow-scoring")
         limit = cfg.rollout.max_prompt_tokens
-        self.items = load_prompts(cfg.task, tok, limit)
+        self.items = load_prompts(cfg.task, tok, limit, env=env)
         wants_val = bool(t.val_every or t.val_before_train or t.val_at_end)
-        self.heldout = load_prompts(cfg.task, tok, limit, split="heldout") if wants_val else []
+        self.heldout = load_prompts(cfg.task, tok, limit, split="heldout", env=env) if wants_val else []
         self.sampler = ShardedSampler(len(self.items), self.dist.rank, self.dist.world_size, t.seed, cfg.data.shuffle)
         check_lora_targets(self.model_path, cfg.model)  # before any weights load
         self.engine = build_engine(self.model_path, cfg.model, cfg.rollout, self.dist.device, t.seed,
                                    self.layout.engine_group)
+        # single-turn generation, or multi-turn episodes with the task's environment
+        self.runner = EpisodeRunner(self.engine, self.rewards, tok, cfg.rollout,
+                                    lockstep=cfg.rollout.tensor_parallel_size > 1) if env else SingleTurn(self.engine)
         self.policy = Policy(self.model_path, cfg.model, cfg.optim, self.layout)
         # The frozen reference exists only when KL is on: beta = 0 costs nothing. With LoRA it is
         # the policy with its adapters off.
@@ -220,7 +228,7 @@ class Trainer:
         pos = self.sampler.state_dict()
         seeds = [sample_seed(self.cfg.trainer.seed, pos["epoch"], pos["offset"], self.dist.rank, i) for i in idx]
         log.debug(f"step {self.step} items (epoch, index): {json.dumps(self.sampler.last_positions)}")
-        groups = self.engine.generate([it.prompt_ids for it in items], self.cfg.algorithm.group_size, seeds)
+        groups = self.runner.run(items, self.cfg.algorithm.group_size, seeds)
         return Rollouts(self.cfg.algorithm.group_size, items, [s for g in groups for s in g])
 
     def score(self, rollouts: Rollouts) -> torch.Tensor:
@@ -241,7 +249,7 @@ class Trainer:
     def compute_advantages(self, batch: UpdateBatch, rewards: torch.Tensor, lp: Logprobs) -> UpdateBatch:
         old = lp.old if lp.old is not CURRENT_POLICY else None
         scores, token_rewards = shape_rewards(rewards, batch.tokens, self.cfg.algorithm,
-                                              self.cfg.rollout.max_new_tokens, old, lp.ref)
+                                              self.cfg.rollout.response_budget(), old, lp.ref)
         values = lp.values.cpu() if lp.values is not None else None
         inputs = AdvantageInputs(scores, token_rewards, batch.tokens.resp_mask.cpu(), values)
         advantages, returns = self.estimator(inputs, self.cfg.algorithm, lambda v: all_reduce(v).tolist())
@@ -312,7 +320,7 @@ class Trainer:
 
     def validate(self) -> dict[str, float]:
         k = self.cfg.trainer.val_pass_k
-        return evaluate(self.engine, self.rewards, self.tokenizer, self.heldout, self.dist, k,
+        return evaluate(self.runner, self.rewards, self.tokenizer, self.heldout, self.dist, k,
                         seed=self.cfg.trainer.seed)
 
     # ----------------------------------------------------------------- state

@@ -115,7 +115,7 @@ def backward_policy_loss(policy: Policy, batch: UpdateBatch, rows: list[int], cf
             engine, ref = old, old
         token_loss, info = compute_token_loss(logp, old, adv, mask, a, engine_logp=engine, ref_logp=ref,
                                               entropy=entropy)
-        num = aggregate_numerator(token_loss, mask, a.loss_agg_mode, cfg.rollout.max_new_tokens)
+        num = aggregate_numerator(token_loss, mask, a.loss_agg_mode, cfg.rollout.response_budget())
         (num * (world / denom if real else 0.0)).backward()  # padding passes contribute nothing
         if real:
             m = mask.bool()
@@ -144,7 +144,7 @@ def backward_value_loss(critic: Critic, batch: UpdateBatch, rows: list[int], cfg
         else:
             mask, old, ret = torch.zeros_like(values), values.detach(), values.detach()
         token_loss, info = value_loss(values, old, ret, mask, cfg.critic.value_clip)
-        num = aggregate_numerator(token_loss, mask, a.loss_agg_mode, cfg.rollout.max_new_tokens)
+        num = aggregate_numerator(token_loss, mask, a.loss_agg_mode, cfg.rollout.response_budget())
         (num * (world / denom if real else 0.0)).backward()
         if real:
             m = mask.bool()

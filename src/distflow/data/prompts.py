@@ -35,7 +35,7 @@ class PromptItem:
     fields: dict  # the raw row, for task-specific rewards
 
 
-def load_prompts(task: TaskConfig, tokenizer, max_prompt_tokens: int, split: str = "train") -> list[PromptItem]:
+def load_prompts(task: TaskConfig, tokenizer, max_prompt_tokens: int, split: str = "train", env=None) -> list[PromptItem]:
     """Read the task's `split` ("train" or "heldout") and return one PromptItem per usable row.
 
     File tasks read `task.path` (train) or `task.heldout_path`: a local jsonl/json/parquet/csv
@@ -53,6 +53,9 @@ def load_prompts(task: TaskConfig, tokenizer, max_prompt_tokens: int, split: str
       with one warning giving the count and how many of them disagree on the answer.
     A missing/unreadable/empty file, a non-UTF-8 text file, a prompt or answer column that does
     not exist, or no usable row at all raises ConfigError.
+
+    With an environment (distflow.envs) its `reset(row, messages)` gives each episode's first
+    messages (the length limit applies to what it returns).
     """
     rows, source = _task_rows(task, split)
     columns = list(rows[0])
@@ -74,6 +77,8 @@ def load_prompts(task: TaskConfig, tokenizer, max_prompt_tokens: int, split: str
             continue
         if task.system_prompt and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": task.system_prompt})
+        if env is not None:
+            messages = env.reset(row, messages)
         prompt = json.dumps(messages)  # identity of the prompt, for the repeat count
         ids = _as_id_list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
         if len(ids) > max_prompt_tokens:

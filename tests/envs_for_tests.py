@@ -1,0 +1,53 @@
+"""Environments used by the tests (loaded with task.env=envs_for_tests:NAME).
+
+A random tiny model never writes a well-formed tool call, so `ScriptedToolEnv` stands in for
+the model's first turn with a scripted calculator call whose expression depends on what the
+model generated; the real ToolEnv then parses it, runs the tool and answers. Every episode thus
+has two turns with a real tool observation in between, deterministically.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from distflow.envs import Step, ToolEnv
+
+
+class ScriptedToolEnv(ToolEnv):
+    """Turn 1: calculator on (characters of the model's turn) * 7 + the answer; turn 2 ends with a
+    reward of 0.05 per character of it (a reward that varies for a random model)."""
+
+    def step(self, item: dict, transcript: list[dict]) -> Step:
+        text = transcript[-1]["content"]
+        if len(transcript) == 1:
+            expr = f"{len(text)} * 7 + {item['answer']}"
+            call = f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expr}"}}}}</tool_call>'
+            return super().step(item, [{"role": "assistant", "content": call}])
+        return Step(reward=0.05 * len(text), done=True)
+
+
+class EchoEnv:
+    """A plain environment (no tools): echoes the length of each turn as a user message, forever.
+    `mode` misbehaves on turn 2 of items whose answer is in `on` ("hang", "kill", "raise", "bad")."""
+
+    def __init__(self, mode: str = "", on: tuple = (), prefix: str = ""):
+        self.mode, self.on, self.prefix = mode, {str(a) for a in on}, prefix
+
+    def reset(self, item: dict, messages: list[dict]) -> list[dict]:
+        return [*messages[:-1], {"role": messages[-1]["role"], "content": self.prefix + messages[-1]["content"]}]
+
+    def step(self, item: dict, transcript: list[dict]):
+        if len(transcript) >= 3 and str(item["answer"]) in self.on:
+            if self.mode == "hang":
+                while True:
+                    time.sleep(60)
+            if self.mode == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if self.mode == "raise":
+                raise RuntimeError("deliberate environment failure")
+            if self.mode == "bad":
+                return "not a Step"
+        return Step([{"role": "user", "content": f"{len(transcript[-1]['content'])} characters; go on"}],
+                    reward=0.5)
