@@ -121,6 +121,17 @@ def test_tool_env_answers_calls_errors_and_final_turns():
     assert final.done and final.messages == [] and final.tool_calls == 0
 
 
+def test_tool_use_reward_counts_only_tool_results_that_are_not_errors():
+    from distflow.rewards.registry import load_reward
+
+    reward = load_reward("tool_use")
+    turn = {"role": "assistant", "content": "<tool_call>...</tool_call>"}
+    assert reward("p", "c", [], {"transcript": [turn, {"role": "tool", "content": "56088"}, turn]}) == 1.0
+    assert reward("p", "c", [], {"transcript": [turn, {"role": "tool", "content": "error: bad JSON"}, turn]}) == 0.0
+    assert reward("p", "c", [], {"transcript": [turn, {"role": "user", "content": "56088"}]}) == 0.0
+    assert reward("p", "c", [], {}) == 0.0  # single turn: no transcript
+
+
 def test_bad_environment_specs_are_one_line_config_errors():
     for spec, args, needle in [("no_such_module:Env", {}, "cannot be imported"), ("tools_please", {}, "built-in"),
                                ("tools", {"tools": ["shell"]}, "shell"), ("tools", {"colour": 1}, "colour"),
@@ -134,6 +145,16 @@ def test_bad_environment_specs_are_one_line_config_errors():
     cfg.rollout.max_turns = 2
     with pytest.raises(ConfigError, match="needs an environment"):
         cfg.validate()
+
+
+def test_response_budget_and_engine_context():
+    from distflow.rollout.vllm_engine import max_model_len
+
+    single = RolloutConfig(max_new_tokens=32, max_prompt_tokens=100, max_total_tokens=99)
+    assert single.response_budget() == 32 and max_model_len(single) == 133  # single turn: as before
+    turns = RolloutConfig(max_new_tokens=10, max_prompt_tokens=100, max_turns=3)
+    assert turns.response_budget() == 30 and max_model_len(turns) == 100 + 30 + 10 + 1
+    assert RolloutConfig(max_new_tokens=10, max_turns=3, max_total_tokens=50).response_budget() == 50
 
 
 # ----------------------------------------------------------------- the loop, in this process

@@ -114,12 +114,14 @@ class RolloutConfig:
     # Multi-turn episodes (task.env set): model turns per episode, each up to max_new_tokens, with
     # the environment's observations appended in between (distflow.episodes). 1 = single turn.
     max_turns: int = 1
-    # An episode's response budget: generated plus observation tokens over all turns; an episode
-    # that would pass it ends there, marked truncated. 0 = max_turns * max_new_tokens.
+    # An episode's response budget (max_turns > 1): generated plus observation tokens over all
+    # turns; an episode that would pass it ends there, marked truncated. 0 = max_turns * max_new_tokens.
     max_total_tokens: int = 0
 
     def response_budget(self) -> int:
         """The most response tokens (generated + observations) one sample can hold."""
+        if self.max_turns == 1:
+            return self.max_new_tokens
         return self.max_total_tokens or self.max_turns * self.max_new_tokens
 
 

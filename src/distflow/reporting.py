@@ -217,6 +217,9 @@ def run_summary(steps: int, wall_s: float, world_size: int, evaluations: dict[st
         if when in evaluations:
             summary[f"heldout_pass1_{when}"] = evaluations[when]["val/pass@1"]
             summary["heldout_items"] = int(evaluations[when]["val/items"])
+            if "val/tool_calls" in evaluations[when]:  # multi-turn: how the greedy episodes went
+                summary[f"heldout_turns_{when}"] = evaluations[when]["val/turns"]
+                summary[f"heldout_tool_calls_{when}"] = evaluations[when]["val/tool_calls"]
     if "before" in evaluations and "after" in evaluations:
         summary["heldout_pass1_delta"] = summary["heldout_pass1_after"] - summary["heldout_pass1_before"]
     if history:

@@ -141,6 +141,15 @@ def format_reward(prompt: str, completion: str, completion_ids: list, item: dict
     return 1.0 if _FORMAT_MARKERS.search(completion) else 0.0
 
 
+def tool_use_reward(prompt: str, completion: str, completion_ids: list, item: dict) -> float:
+    """1.0 if the episode got at least one tool result that is not an error (the tool environment's
+    error messages start with "error:"), else 0.0; single-turn samples have no transcript and get
+    0.0. Like `format`, it teaches the form, not the answer: weight it well below the task's reward,
+    e.g. {"distflow.tasks.gym:gym_reward": 1, tool_use: 0.2}."""
+    return 1.0 if any(m.get("role") == "tool" and not str(m.get("content", "")).startswith("error:")
+                      for m in item.get("transcript", ())) else 0.0
+
+
 # ----------------------------------------------------------------------------- length
 def length_penalty_reward(prompt: str, completion: str, completion_ids: list, item: dict) -> float:
     """-len(completion_ids) / 1000: -0.1 for 100 tokens. Its weight in `task.rewards` sets the

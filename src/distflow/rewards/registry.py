@@ -6,7 +6,7 @@ Every reward has one signature, so built-ins and user functions are interchangea
 
 `item` is the dataset row (the reference answer is `item[task.answer_key]`, also given as
 `item["answer"]` when the row has no such column). A spec is a built-in name or a dotted path
-`package.module:function`. Built-ins: numeric, math, gsm8k, countdown, format, length_penalty
+`package.module:function`. Built-ins: numeric, math, gsm8k, countdown, format, length_penalty, tool_use
 (see distflow.rewards.builtin). Rewards are run by distflow.rewards.pool.RewardPool, in worker
 processes that resolve the spec themselves, so a user function need not be picklable.
 
@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from distflow.rewards.builtin import countdown_reward, format_reward, gsm8k_reward, length_penalty_reward, math_reward
+from distflow.rewards.builtin import (countdown_reward, format_reward, gsm8k_reward, length_penalty_reward, math_reward,
+                                      tool_use_reward)
 from distflow.rewards.numeric import numeric_match
 from distflow.specs import resolve
 
@@ -36,6 +37,7 @@ BUILTIN: dict[str, RewardFn] = {
     "countdown": countdown_reward,
     "format": format_reward,
     "length_penalty": length_penalty_reward,
+    "tool_use": tool_use_reward,
 }
 
 
