@@ -13,7 +13,7 @@ def call(name: str, completion: str, item: dict, ids: list | None = None) -> flo
 
 
 def test_all_builtins_registered():
-    assert set(BUILTIN) == {"numeric", "math", "gsm8k", "countdown", "format", "length_penalty"}
+    assert set(BUILTIN) == {"numeric", "math", "gsm8k", "countdown", "format", "length_penalty", "tool_use"}
 
 
 # ----------------------------------------------------------------------------- math

@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 
 from distflow.config import DistflowConfig
 from distflow.data.prompts import PromptItem, load_prompts
+from distflow.envs import env_from_task
 from distflow.rewards import BUILTIN
 from distflow.rewards.pool import RewardPool
 
@@ -80,11 +81,12 @@ def loaded(tokenizer, caplog):
             smaller = [f"task.size={min(GYM_SIZE, raw.get('size', GYM_SIZE))}"] if raw["name"] == "reasoning_gym" else []
             cfg = compose_task(name, TINY_TOKENIZER_LIMIT, *smaller)
             limit = cfg.rollout.max_prompt_tokens
+            env = env_from_task(cfg.task)  # prompts as the trainer builds them (tool instructions included)
             with caplog.at_level(logging.WARNING, logger="distflow"):
-                train = load_prompts(cfg.task, tokenizer, limit)
+                train = load_prompts(cfg.task, tokenizer, limit, env=env)
                 t = cfg.task
                 has_heldout = bool(t.heldout_path) if t.name == "jsonl" else t.heldout_size > 0
-                heldout = load_prompts(t, tokenizer, limit, split="heldout") if has_heldout else None
+                heldout = load_prompts(t, tokenizer, limit, split="heldout", env=env) if has_heldout else None
             _LOADED[name] = (cfg, train, heldout, [r.getMessage() for r in caplog.records])
         return _LOADED[name]
     return load
@@ -176,6 +178,7 @@ APPLICABLE = {
     "latex": ["math", "numeric", "format", "length_penalty"],
     "countdown": ["countdown", "format", "length_penalty"],
 }
+EPISODE_REWARDS = ["tool_use"]  # read the transcript: checked on the tasks with an environment
 
 
 def _solve(cfg: DistflowConfig, items: list[PromptItem]) -> tuple[str, PromptItem, str, str]:
@@ -221,11 +224,13 @@ def _boxed(right, wrong) -> tuple[str, str]:
             f"Working it out step by step.\nThe answer is $\\boxed{{{wrong}}}$.")
 
 
-def _score(spec, item: PromptItem, completion: str, tokenizer) -> float:
-    """One call exactly as distflow.scoring builds it (row fields plus "answer")."""
+def _score(spec, item: PromptItem, completion: str, tokenizer, transcript: list | None = None) -> float:
+    """One call exactly as distflow.scoring builds it (row fields plus "answer"; an episode's
+    also its "transcript")."""
     ids = tokenizer(completion)["input_ids"]
+    fields = {**item.fields, "answer": item.answer, **({"transcript": transcript} if transcript else {})}
     with RewardPool(spec, 0, 10.0) as pool:
-        (reward,), stats = pool.score([(item.prompt_text, completion, ids, {**item.fields, "answer": item.answer})])
+        (reward,), stats = pool.score([(item.prompt_text, completion, ids, fields)])
     assert not any(stats.values()), f"reward {spec!r} failed on {completion!r}: {stats}"
     return reward
 
@@ -251,7 +256,17 @@ def test_rewards_score_correct_and_wrong(name, loaded, tokenizer):
         else:
             assert _score(reward, item, right, tokenizer) == 1.0, (reward, item.answer, right)
             assert _score(reward, item, wrong, tokenizer) == 0.0, (reward, item.answer, wrong)
+    if cfg.task.env:  # an episode's rewards also see its transcript: a tool result, or only an error
+        call = {"role": "assistant", "content": "<tool_call>...</tool_call>"}
+        used = [call, {"role": "tool", "content": str(item.answer)}, {"role": "assistant", "content": right}]
+        failed = [call, {"role": "tool", "content": "error: unknown tool 'x'"}, {"role": "assistant", "content": right}]
+        for reward in EPISODE_REWARDS:
+            assert _score(reward, item, right, tokenizer, transcript=used) == 1.0, reward
+            assert _score(reward, item, right, tokenizer, transcript=failed) == 0.0, reward
+        if not isinstance(spec, str):
+            assert _score(spec, item, right, tokenizer, transcript=used) > good  # the shaping term counts
 
 
 def test_every_builtin_is_checked_on_some_task():
-    assert set(BUILTIN) <= {r for rewards in APPLICABLE.values() for r in rewards}
+    assert set(BUILTIN) <= {r for rewards in APPLICABLE.values() for r in rewards} | set(EPISODE_REWARDS)
+    assert any(compose_task(name).task.env for name in TASKS)  # ... and the episode rewards on a task with an env
