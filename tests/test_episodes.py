@@ -235,8 +235,6 @@ def _episodes_worker(rank, world, model_dir, out_path):
         noise[i, :len(s.response_ids)] = 0.1 * torch.randn(len(s.response_ids),
                                                              generator=torch.Generator().manual_seed(50 + rank * per * G + i))
     batch = batch.with_(old_logprobs=(current + noise) * batch.tokens.resp_mask)
-    global_sum = lambda v: torch.tensor(v, dtype=torch.float64).tolist() if world == 1 else \
-        _all_reduce_list(v)  # noqa: E731
     for est in ("grpo", "reinforce_pp", "gae"):
         a = cfg.algorithm
         # whitened token advantages (gae, reinforce_pp) sum to 0 over tokens: average per sequence instead
@@ -247,15 +245,14 @@ def _episodes_worker(rank, world, model_dir, out_path):
             values[i, :len(s.response_ids)] = torch.randn(len(s.response_ids), generator=gen)
         mask = batch.tokens.resp_mask
         inputs = AdvantageInputs(rewards.reshape(-1), torch.zeros_like(mask), mask, values * mask)
-        adv, _ = ADVANTAGE_ESTIMATORS[est](inputs, a, global_sum)
+        adv, _ = ADVANTAGE_ESTIMATORS[est](inputs, a, _all_reduce_list)
         assert (adv[mask == 0] == 0).all()  # nothing on observations (nor padding)
         sums = backward_policy_loss(policy, batch.with_(advantages=adv), list(range(len(batch))), cfg, tok.pad_token_id)
         grads = full_grads(policy.model)
         policy.optimizer.zero_grad(set_to_none=True)
         gathered = [None] * world
         dist.all_gather_object(gathered, [adv[i, :len(s.response_ids)].tolist() for i, s in enumerate(samples)])
-        loss = torch.tensor([sums.loss]); dist.all_reduce(loss)
-        results[est] = (sum(gathered, []), float(loss), grads)
+        results[est] = (sum(gathered, []), _all_reduce_list([sums.loss])[0], grads)
     everyone = [None] * world
     dist.all_gather_object(everyone, results["samples"])
     results["samples"] = sum(everyone, [])
@@ -268,6 +265,7 @@ def _episodes_worker(rank, world, model_dir, out_path):
 
 
 def _all_reduce_list(v):
+    """The estimators' global sum over ranks."""
     t = torch.tensor(v, dtype=torch.float64)
     dist.all_reduce(t)
     return t.tolist()
