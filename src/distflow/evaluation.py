@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from distflow.data.prompts import PromptItem
 from distflow.distributed import DistInfo, all_reduce
+from distflow.reporting import episode_sums
 from distflow.rewards.pool import RewardPool
 from distflow.scoring import score_groups
 
@@ -24,10 +25,9 @@ def evaluate(runner, pool: RewardPool, tokenizer, items: list[PromptItem], dist:
     # every rank calls the engine, also with no items: ranks sharing a tensor-parallel engine call it together
     greedy = [g[0] for g in runner.run(mine, 1, [0] * len(mine), greedy=True)]
     rewards, _ = score_groups(pool, tokenizer, mine, greedy, 1)
-    episodes = [s.episode for s in greedy if s.episode is not None]  # multi-turn: turns and tool use too
+    episodes = episode_sums(greedy)  # multi-turn: turns and tool use too (0 for single turns)
     local = [float((rewards >= PASS_THRESHOLD).sum()), float(len(mine)),
-             float(sum(len(s.response_ids) for s in greedy)), float(sum(e.turns for e in episodes)),
-             float(sum(e.tool_calls for e in episodes))]
+             float(sum(len(s.response_ids) for s in greedy)), episodes["turns"], episodes["tool_calls"]]
     if k > 0:
         seeds = [seed * 7919 + dist.rank * 104729 + i for i in range(len(mine))]
         sampled = [s for g in runner.run(mine, k, seeds) for s in g]

@@ -36,7 +36,6 @@ from distflow.critic import Critic
 from distflow.data.prompts import load_prompts
 from distflow.data.sampler import ShardedSampler
 from distflow.devices import resolve_auto
-from distflow.envs import env_from_task
 from distflow.episodes import EpisodeRunner, SingleTurn
 from distflow.distributed import all_reduce, barrier, broadcast_object, init_distributed, shutdown, waited_s
 from distflow.evaluation import evaluate
@@ -101,8 +100,9 @@ class Trainer:
         self.model_path = resolve_on_local_rank0_first(cfg.model.path, self.dist.local_rank)
         self.tokenizer = tok = AutoTokenizer.from_pretrained(self.model_path)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        env = env_from_task(cfg.task)  # a bad task.env stops here, before any model loads
-        self.rewards = RewardPool.from_task(cfg.task)  # workers start while the models load
+        # a bad reward or task.env stops here, before any model loads; workers start while the models load
+        self.rewards = RewardPool.from_task(cfg.task)
+        env = self.rewards.env  # the task's environment (None: single turn); its reset builds the prompts
         self.scoring_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distflow-scoring")
         limit = cfg.rollout.max_prompt_tokens
         self.items = load_prompts(cfg.task, tok, limit, env=env)

@@ -132,9 +132,11 @@ class RewardPool:
         self._fns = [load_reward(s) for s, _ in self.components]
         # An environment's steps run here too (distflow.envs), under the same limit; building it
         # here first makes a bad task.env a ConfigError before any process starts.
+        # The instance built here also serves the caller (its reset builds the prompts).
         self._env = [env, dict(env_args or {})] if env else None
-        if self._env:
-            self._fns.append(build_env(*self._env).step)
+        self.env = build_env(*self._env) if self._env else None
+        if self.env is not None:
+            self._fns.append(self.env.step)
         if workers < 0 or timeout_s <= 0:
             raise ConfigError(f"need task.reward_workers >= 0 and task.reward_timeout_s > 0, got {workers}, {timeout_s}")
         self.timeout_s = float(timeout_s)
@@ -163,44 +165,44 @@ class RewardPool:
         """calls: (prompt, completion, completion_ids, item) tuples. Returns one reward per call
         and {"errors", "timeouts", "invalid", "restarts"} counts for this batch."""
         units = [(i, c) for i in range(len(calls)) for c in range(len(self.components))]
-        stats = {"errors": 0, "timeouts": 0, "invalid": 0, "restarts": 0}
-        if self._workers:
-            results = self._run_in_workers(units, calls, stats)
-        else:
-            results = [_call(self._fns[c], calls[i]) for i, c in units]
+        results, stats = self._run(units, calls)
         rewards = [0.0] * len(calls)
         for (i, c), (kind, value) in zip(units, results):
             spec, weight = self.components[c]
             if kind == "ok":
                 rewards[i] += weight * value
                 continue
-            stats[_STAT_KEY[kind]] += 1
-            if (kind, spec) not in self._logged:
-                self._logged.add((kind, spec))
-                log.warning("reward %r %s on completion %r; scored 0.0 (logged once, later ones only counted):\n%s",
-                            spec, _WHAT[kind], str(calls[i][1])[:200], value)
+            self._failed(stats, kind, spec, "reward %r %s on completion %r; scored 0.0 (logged once, later ones only "
+                         "counted):\n%s", spec, _WHAT[kind], str(calls[i][1])[:200], value)
         return rewards, stats
 
     def steps(self, calls: list[tuple[dict, list[dict]]]) -> tuple[list[tuple[str, object]], dict[str, int]]:
         """The environment's step for each (item, transcript) call: ("ok", Step), or the failure
         ("error" | "crash" | "invalid" | "timeout", detail); the first failure of each kind is
         logged. Also returns the counts, as score() does."""
-        env = len(self.components)
-        stats = {"errors": 0, "timeouts": 0, "invalid": 0, "restarts": 0}
-        units = [(i, env) for i in range(len(calls))]
-        if self._workers:
-            results = self._run_in_workers(units, calls, stats)
-        else:
-            results = [_call(self._fns[env], call, step=True) for call in calls]
+        results, stats = self._run([(i, len(self.components)) for i in range(len(calls))], calls)
         for call, (kind, value) in zip(calls, results):
-            if kind == "ok":
-                continue
-            stats[_STAT_KEY[kind]] += 1
-            if (kind, "env") not in self._logged:
-                self._logged.add((kind, "env"))
-                log.warning("environment %r %s on a turn %r; the episode ends there (logged once, later ones only "
-                            "counted):\n%s", self._env[0], _WHAT[kind], str(call[1][-1].get("content"))[:200], value)
+            if kind != "ok":
+                self._failed(stats, kind, "env", "environment %r %s on a turn %r; the episode ends there (logged once, "
+                             "later ones only counted):\n%s", self._env[0], _WHAT[kind],
+                             str(call[1][-1].get("content"))[:200], value)
         return results, stats
+
+    def _run(self, units, calls) -> tuple[list, dict[str, int]]:
+        """Each (call index, component) unit's (kind, value), in the workers (inline with none), and
+        this batch's counts. Component len(self.components) is the environment's step."""
+        stats = {"errors": 0, "timeouts": 0, "invalid": 0, "restarts": 0}
+        if self._workers:
+            return self._run_in_workers(units, calls, stats), stats
+        env = len(self.components)
+        return [_call(self._fns[c], calls[i], step=c == env) for i, c in units], stats
+
+    def _failed(self, stats: dict, kind: str, key: str, message: str, *args) -> None:
+        """Count a failed unit; log the first failure of each kind per key (a reward spec, or the env)."""
+        stats[_STAT_KEY[kind]] += 1
+        if (kind, key) not in self._logged:
+            self._logged.add((kind, key))
+            log.warning(message, *args)
 
     def _run_in_workers(self, units, calls, stats) -> list:
         results: list = [None] * len(units)
