@@ -3,7 +3,7 @@ on a task whose prompt lengths are skewed across ranks.
 
 The task (written to the work folder) alternates long prompts (a ~3x preamble) and short ones;
 with `data.shuffle=false` the global stream gives every long prompt to rank 0 of 2, the worst
-case the balancer exists for. Runs of `recipes/grpo.py` with `trainer.balance_lengths=false` and
+case the balancer exists for. Runs of `recipes/grpo.py` with `run.balance_lengths=false` and
 `=true` alternate (off first on even repeats); step 1 of each run is a warm-up and is skipped.
 Per step the trainer logs the slowest rank's update time (`timing/update_s`) and the fastest's
 (`timing/update_min_s`); the bench reports their medians, the max/min ratio, the step time and
@@ -41,7 +41,7 @@ def run(model: str, balance: bool, steps: int, s: dict, task, wd, tag: str, npro
     overrides = C.distflow_overrides(model, out, steps, s["prompts_per_rank"], s["group_size"], s["max_new_tokens"],
                                      s["lr"], extra=[f"task.path={task}", "data.shuffle=false",
                                                      "rollout.max_prompt_tokens=256",
-                                                     f"trainer.balance_lengths={str(balance).lower()}",
+                                                     f"run.balance_lengths={str(balance).lower()}",
                                                      f"optim.micro_batch_size={s['group_size']}"])
     C.torchrun(C.GRPO, overrides, nproc, wd / f"{tag}.log")
     ms = C.read_metrics(out)[1:]  # step 1 is the warm-up

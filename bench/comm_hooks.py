@@ -6,7 +6,7 @@ with counters, then attributes each call to whoever called the collective direct
   distflow   a file of the distflow package (distflow.distributed's helpers: all_reduce,
              broadcast_object, barrier) -- the traffic the benchmark is about
   fsdp       torch/distributed/fsdp: FSDP2's parameter all-gathers and gradient reduce-scatters,
-             and distflow.grad_sync's bucketed gradient all-reduce of replicas (the traffic
+             and distflow.train.grad_sync's bucketed gradient all-reduce of replicas (the traffic
              FSDP2's native HSDP all-reduce would carry otherwise)
   dtensor    torch/distributed/tensor: DTensor redistributes -- the weight-sync full_tensor()
              gathers, and clip_grad_norm_'s scalar reduce over DTensor shards
@@ -175,7 +175,7 @@ def install() -> None:
         _wrap_helper(dd, "broadcast_object", lambda obj: _pickled([obj]) if _rank() == 0 else 0),
         _wrap_helper(dd, "barrier", lambda: 0),
     ]
-    import distflow.metrics
+    import distflow.run.loggers
     import distflow.trainer  # noqa: F401 - import every user of the helpers, then rebind their names
 
     for mod_name, mod in list(sys.modules.items()):
@@ -185,7 +185,7 @@ def install() -> None:
                     if val is orig:
                         setattr(mod, attr, new)
 
-    trainer_cls, logger_cls = distflow.trainer.Trainer, distflow.metrics.MetricLogger
+    trainer_cls, logger_cls = distflow.trainer.Trainer, distflow.run.loggers.MetricLogger
     orig_train, orig_log = trainer_cls.train, logger_cls.log
 
     def train(self, *a, **k):

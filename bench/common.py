@@ -133,8 +133,8 @@ def distflow_overrides(model: str, out_dir: Path, steps: int, prompts_per_rank: 
     per rank (micro batch = the rank's whole batch, as TRL does), beta = 0, fresh output folder."""
     return [
         f"model={model}", "task=arith_jsonl", f"rollout={engine}",
-        f"trainer.steps={steps}", f"trainer.output_dir={out_dir}", "trainer.resume=never",
-        "trainer.plot_at_end=false", "trainer.progress_bar=false", "trainer.checkpoint_every=0",
+        f"run.steps={steps}", f"run.output_dir={out_dir}", "checkpoint.resume=never",
+        "logging.plot_at_end=false", "logging.progress_bar=false", "checkpoint.every=0",
         f"data.prompts_per_rank={prompts_per_rank}", f"algorithm.group_size={group_size}",
         "algorithm.kl_coef=0.0", f"rollout.max_new_tokens={max_new_tokens}", "rollout.max_prompt_tokens=128",
         f"optim.lr={lr}", f"optim.micro_batch_size={prompts_per_rank * group_size}", "optim.mini_batches=1",
@@ -168,7 +168,7 @@ def recipe_shard_ranks(model: str) -> int:
     so a worker that builds the policy itself shards it as the trainer would."""
     sys.path.insert(0, str(ROOT / "src"))
     from distflow.config import ModelConfig
-    from distflow.devices import shard_ranks
+    from distflow.distributed.devices import shard_ranks
 
     return shard_ranks(ModelConfig(path=model))
 

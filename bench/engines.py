@@ -24,13 +24,13 @@ import time
 
 def worker(a) -> None:
     import torch
+    from transformers import AutoTokenizer
 
     from distflow.config import DistflowConfig
     from distflow.data.prompts import load_prompts
     from distflow.distributed import all_reduce, barrier, init_distributed, shutdown
     from distflow.models.tiny import resolve_model_path
     from distflow.rollout import build_engine
-    from transformers import AutoTokenizer
 
     cfg = DistflowConfig()
     cfg.model.path = a.model

@@ -79,8 +79,8 @@ def venv_with_wheels(python: str, wheels: Path, out: Path) -> str:
 def run(name: str, python: str, overrides: list[str], out: Path, timeout: float) -> dict:
     run_dir = out / name
     cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           str(ROOT / "recipes" / "grpo.py"), "rollout=hf", *overrides, f"trainer.output_dir={run_dir}",
-           "trainer.resume=never", "trainer.plot_at_end=false", "trainer.progress_bar=false"]
+           str(ROOT / "recipes" / "grpo.py"), "rollout=hf", *overrides, f"run.output_dir={run_dir}",
+           "checkpoint.resume=never", "logging.plot_at_end=false", "logging.progress_bar=false"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
                HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
     print(f"[gpu_check] {name}: {' '.join(overrides)}", flush=True)
@@ -153,23 +153,23 @@ def main() -> int:
         print(f"gpu_check: error: {python} lacks {', '.join(missing)}; bring wheels "
               "(pip download -d wheels -r requirements/gpu-check.txt) and pass --wheels wheels", file=sys.stderr)
         return 2
-    device = ["trainer.device=cpu", "trainer.backend=gloo"] if a.dry_run else \
-        ["trainer.device=cuda", "trainer.backend=nccl"]
+    device = ["run.device=cpu", "run.backend=gloo"] if a.dry_run else \
+        ["run.device=cuda", "run.backend=nccl"]
     smoke_steps = a.steps or (1 if a.dry_run else 3)
     model_steps = a.steps or (1 if a.dry_run else 6)
-    probe = ["trainer.sync_probe_every=1", "trainer.sync_probe_seqs=4"]
+    probe = ["run.sync_probe_every=1", "run.sync_probe_seqs=4"]
     runs = {}
     for dtype in ("float32", "bfloat16"):
-        overrides = ["experiment=smoke", f"model.dtype={dtype}", *device, *probe, f"trainer.steps={smoke_steps}"]
+        overrides = ["experiment=smoke", f"model.dtype={dtype}", *device, *probe, f"run.steps={smoke_steps}"]
         runs[f"smoke_{dtype}"] = run(f"smoke_{dtype}", python, overrides, out, a.timeout)
     shape = ["data.prompts_per_rank=2", "rollout.max_new_tokens=16"] if a.dry_run else \
         ["data.prompts_per_rank=8", "rollout.max_new_tokens=64"]  # 32 sequences per step on the GPU
     runs[f"{model}_bfloat16"] = run(f"{model}_bfloat16", python, [
-        f"model={model}", "task=arith_jsonl", "model.dtype=bfloat16", *device, *probe, f"trainer.steps={model_steps}",
+        f"model={model}", "task=arith_jsonl", "model.dtype=bfloat16", *device, *probe, f"run.steps={model_steps}",
         *shape, "algorithm.group_size=4", "rollout.max_prompt_tokens=128", "optim.micro_batch_size=16",
         "optim.lr=1e-5", "model.activation_checkpointing=true"], out, a.timeout + 100)
     runs["lora_bfloat16"] = run("lora_bfloat16", python, [
-        "experiment=smoke", "model.dtype=bfloat16", *device, *probe, f"trainer.steps={smoke_steps}",
+        "experiment=smoke", "model.dtype=bfloat16", *device, *probe, f"run.steps={smoke_steps}",
         "model.lora.enabled=true", "algorithm.kl_coef=0.05", "optim.lr=1e-3"], out, a.timeout)
     sys.path.insert(0, str(ROOT / "src"))
     from distflow.rollout.weight_sync import PROBE_WARN_ABOVE

@@ -126,7 +126,7 @@ def main() -> None:
     p.add_argument("--variant", action="append", default=[], metavar="NAME=OVERRIDES",
                    help="an extra variant: a name and space-separated overrides (env:NAME=VALUE for the environment)")
     p.add_argument("--overrides", default="", help="space-separated overrides for every run (e.g. "
-                   "'trainer.val_before_train=false trainer.val_at_end=false')")
+                   "'validation.before_train=false validation.at_end=false')")
     args = p.parse_args()
     nprocs = [int(n) for n in (args.nprocs or ("2" if args.smoke else "1,2")).split(",")]
     steps = args.steps or (2 if args.smoke else 3)
@@ -156,9 +156,9 @@ def main() -> None:
                 out, run_dir = wd / tag, wd / f"run-{tag}"
                 C.fresh(out, run_dir)
                 hydra, env = split_env(overrides)
-                cmd = [f"experiment={experiment}", f"model={model}", f"trainer.steps={steps}",
-                       f"trainer.output_dir={run_dir}", "trainer.resume=never", "trainer.plot_at_end=false",
-                       "trainer.progress_bar=false", *args.overrides.split(), *hydra]
+                cmd = [f"experiment={experiment}", f"model={model}", f"run.steps={steps}",
+                       f"run.output_dir={run_dir}", "checkpoint.resume=never", "logging.plot_at_end=false",
+                       "logging.progress_bar=false", *args.overrides.split(), *hydra]
                 print(f"[memory] {tag}: {' '.join(overrides) or '(no overrides)'}", flush=True)
                 rec["loadavg_1m_before"] = C.loadavg()
                 try:

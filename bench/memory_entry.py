@@ -6,7 +6,7 @@ are installed first, then the unmodified recipe runs as __main__ with the same o
 
 from __future__ import annotations
 
-from distflow.output import quiet_third_party_env
+from distflow.run.output import quiet_third_party_env
 
 quiet_third_party_env()  # as recipes/grpo.py does, before the hooks import torch and transformers
 

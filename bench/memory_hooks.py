@@ -167,8 +167,8 @@ def _write() -> None:
 def install() -> None:
     global METER
     import distflow.trainer as trainer
-    from distflow.critic import Critic
-    from distflow.policy import Policy
+    from distflow.train.critic import Critic
+    from distflow.train.policy import Policy
 
     METER = PhaseMeter()
     for name, label in PHASES.items():

@@ -22,7 +22,7 @@ from common import ROOT, bench_env, fresh, loadavg, machine, models, parser, sta
 
 EXPERIMENT = {  # the smoke run, and the demo without its evaluations
     "tiny": ["experiment=smoke"],
-    "smollm2_135m": ["experiment=demo", "trainer.val_before_train=false", "trainer.val_at_end=false"],
+    "smollm2_135m": ["experiment=demo", "validation.before_train=false", "validation.at_end=false"],
 }
 
 
@@ -40,8 +40,8 @@ def _saved_at(out: Path) -> float:
 def measure(model: str, work: Path, signal_after: int) -> dict:
     out, log = work / f"{model}-run", work / f"{model}.log"
     fresh(out)
-    args = [*EXPERIMENT[model], "trainer.steps=1000", f"trainer.output_dir={out}", "trainer.resume=never",
-            "trainer.progress_bar=false", "trainer.plot_at_end=false"]
+    args = [*EXPERIMENT[model], "run.steps=1000", f"run.output_dir={out}", "checkpoint.resume=never",
+            "logging.progress_bar=false", "logging.plot_at_end=false"]
     env = bench_env(2, {"PYTHON": os.environ.get("PYTHON", str(ROOT / ".venv" / "bin" / "python"))})
     with open(log, "w") as f:
         proc = subprocess.Popen(["bash", str(ROOT / "launch" / "local.sh"), "2", *args], cwd=ROOT, env=env,

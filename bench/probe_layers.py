@@ -12,7 +12,7 @@ What it does
    the layer, the final norm, the logits) and runs `prompt_logprobs` one sequence at a time.
 3. Runs transformers on the same tokens, float32, with the same hooks: a plain unpadded forward
    (`--hf-attn` sdpa|eager) and, unless `--no-policy`, the policy's own path
-   (`distflow.policy.Policy.logprobs`: left padding, explicit position_ids, logits_to_keep; FSDP2
+   (`distflow.train.policy.Policy.logprobs`: left padding, explicit position_ids, logits_to_keep; FSDP2
    on the same 1-process group), and a float64 eager forward as ground truth (`--no-fp64` skips).
 4. Prints, for every hook point: max |vLLM - HF fp32|, the same relative to max |HF|, and, with the
    fp64 reference, each side's own error (|vLLM - fp64|, |HF fp32 - fp64|), so a divergence can be
@@ -292,11 +292,11 @@ def engine_run(engine, model, rec, seqs, hooks: bool):
 def policy_logprobs(model_path, seqs, hf_attn: str | None):
     """The trainer's probe path: Policy (FSDP2 on the 1-process group), all sequences in one
     left-padded batch with explicit position_ids and logits_to_keep, as the trainer's probe (weight_sync.max_logprob_diff)."""
-    from distflow.batch import TokenBatch
     from distflow.config import ModelConfig, OptimConfig
-    from distflow.layout import ParallelLayout
-    from distflow.policy import Policy
-    from distflow.rollout.base import Sample
+    from distflow.distributed.layout import ParallelLayout
+    from distflow.sample import Sample
+    from distflow.train.batch import TokenBatch
+    from distflow.train.policy import Policy
 
     model_cfg = ModelConfig(path=model_path)
     policy = Policy(model_path, model_cfg, OptimConfig(), ParallelLayout.current(model_cfg), trainable=False)

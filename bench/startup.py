@@ -44,12 +44,12 @@ def worker(a) -> None:
     import torch.distributed as dist
 
     from distflow.config import DistflowConfig
-    from distflow.critic import Critic
-    from distflow.devices import resolve_auto
     from distflow.distributed import init_distributed, shutdown
-    from distflow.layout import ParallelLayout
+    from distflow.distributed.devices import resolve_auto
+    from distflow.distributed.layout import ParallelLayout
     from distflow.models.tiny import resolve_model_path
-    from distflow.policy import Policy
+    from distflow.train.critic import Critic
+    from distflow.train.policy import Policy
 
     cfg = DistflowConfig()
     cfg.model.path = a.model
@@ -57,7 +57,7 @@ def worker(a) -> None:
     cfg = resolve_auto(cfg, info.device)
     cfg.model.meta_device_init = a.meta
     cfg.model.shard_ranks = a.shard_ranks
-    cfg.critic.enabled, cfg.algorithm.advantage = True, "gae"
+    cfg.algorithm.advantage = "gae"  # the critic follows from the estimator
     path = resolve_model_path(a.model)
     layout = ParallelLayout.from_config(cfg.model, info)
     _ = layout.fsdp_mesh  # process-group set-up is not model start-up

@@ -40,13 +40,13 @@ def worker(a) -> None:
     import torch.distributed as dist
 
     from distflow.config import DistflowConfig, LoraConfig
-    from distflow.devices import resolve_auto
     from distflow.distributed import all_reduce, barrier, init_distributed, shutdown
-    from distflow.layout import ParallelLayout
+    from distflow.distributed.devices import resolve_auto
+    from distflow.distributed.layout import ParallelLayout
     from distflow.models.tiny import resolve_model_path
-    from distflow.policy import Policy
     from distflow.rollout import build_engine
     from distflow.rollout.weight_sync import full_parameters
+    from distflow.train.policy import Policy
 
     cfg = DistflowConfig()
     cfg.model.path, cfg.rollout.engine, cfg.rollout.tensor_parallel_size = a.model, a.engine, a.tp
@@ -100,8 +100,8 @@ def lora_worker(a, info, engine, policy, dtype, bucket, timed) -> None:
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     from distflow.distributed import shutdown
-    from distflow.lora import adapter_tensors
     from distflow.rollout.weight_sync import full_parameters, max_logprob_diff
+    from distflow.train.lora import adapter_tensors
 
     with torch.no_grad():  # adapters that change the model (B = 0 would make both modes trivial)
         g = torch.Generator().manual_seed(0)

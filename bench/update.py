@@ -40,18 +40,17 @@ VARIANTS = ("baseline", "fused", "fsdp", "default")
 
 
 def worker(a) -> None:
+    import common as C
     import torch
 
-    from distflow.batch import UpdateBatch, per_token
     from distflow.config import DistflowConfig
     from distflow.distributed import all_reduce, barrier, init_distributed, shutdown
-    from distflow.layout import ParallelLayout
+    from distflow.distributed.layout import ParallelLayout
     from distflow.models.tiny import resolve_model_path
-    from distflow.policy import Policy
-    from distflow.rollout.base import Sample
-    from distflow.update import backward_policy_loss
-
-    import common as C
+    from distflow.sample import Sample
+    from distflow.train.batch import UpdateBatch
+    from distflow.train.policy import Policy
+    from distflow.train.update import backward_policy_loss
 
     cfg = DistflowConfig()
     cfg.model.shard_ranks = C.recipe_shard_ranks(a.model)
@@ -72,7 +71,7 @@ def worker(a) -> None:
         samples.append(Sample(ids[:p_len], ids[p_len:], [0.0] * r_len, False))
     adv = torch.randn(len(samples), generator=g)
     batch = UpdateBatch.from_samples(samples, 0, info.device)
-    batch = batch.with_(advantages=per_token(adv, batch.tokens.resp_mask))
+    batch = batch.with_(advantages=adv[:, None] * batch.tokens.resp_mask)
     rows = list(range(len(batch)))
 
     params = list(policy.model.parameters())

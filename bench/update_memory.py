@@ -62,7 +62,7 @@ def peak_mib() -> float:
 def micro_batch_peak(policy, batch, cfg) -> dict:
     """{"before_mib", "peak_mib", "delta_mib", "seconds"} of one backward_policy_loss over all rows of `batch`
     (an UpdateBatch; make optim.micro_batch_size at least its length for a single micro-batch)."""
-    from distflow.update import backward_policy_loss
+    from distflow.train.update import backward_policy_loss
 
     before = reset_peak()
     t0 = time.perf_counter()
@@ -77,13 +77,13 @@ def micro_batch_peak(policy, batch, cfg) -> dict:
 def worker(a) -> None:
     import torch
 
-    from distflow.batch import UpdateBatch, per_token
     from distflow.config import DistflowConfig
     from distflow.distributed import init_distributed, shutdown
-    from distflow.layout import ParallelLayout
+    from distflow.distributed.layout import ParallelLayout
     from distflow.models.tiny import resolve_model_path
-    from distflow.policy import Policy
-    from distflow.rollout.base import Sample
+    from distflow.sample import Sample
+    from distflow.train.batch import UpdateBatch
+    from distflow.train.policy import Policy
 
     cfg = DistflowConfig()
     cfg.model.shard_ranks = -1
@@ -98,7 +98,7 @@ def worker(a) -> None:
                       torch.randint(3, vocab, (a.response_tokens,), generator=g).tolist(),
                       [0.0] * a.response_tokens, False) for _ in range(a.seqs)]
     batch = UpdateBatch.from_samples(samples, 0, info.device)
-    batch = batch.with_(advantages=per_token(torch.randn(a.seqs, generator=g), batch.tokens.resp_mask))
+    batch = batch.with_(advantages=torch.randn(a.seqs, generator=g)[:, None] * batch.tokens.resp_mask)
     result = micro_batch_peak(policy, batch, cfg)
     with open(a.out, "w") as f:
         json.dump({**result, "vocab": vocab, "params": sum(p.numel() for p in policy.model.parameters())}, f)

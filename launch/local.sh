@@ -5,8 +5,8 @@
 #
 # Stopping and resuming: SIGTERM or SIGUSR1 to this script (`kill -USR1 <pid>`) is passed to
 # torchrun and on to every rank; the ranks finish the step, save a checkpoint and exit, and this
-# script exits 75 (EX_TEMPFAIL). Run the same command again with the same trainer.output_dir to
-# resume from that checkpoint (trainer.resume=auto). SIGINT is passed on too, but the trainer
+# script exits 75 (EX_TEMPFAIL). Run the same command again with the same run.output_dir to
+# resume from that checkpoint (checkpoint.resume=auto). SIGINT is passed on too, but the trainer
 # does not save on it. Any other end exits with torchrun's status.
 #
 # Environment knobs: PYTHON, OMP_NUM_THREADS, GRACE_S (seconds torchrun waits for the ranks to

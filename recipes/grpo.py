@@ -1,7 +1,8 @@
 """Hydra entry point: `torchrun --nproc_per_node=N recipes/grpo.py [group=choice ...] [key=value ...]`.
 
-Thin by design: compose and validate the config, hand it to distflow.Trainer. The library
-itself never imports Hydra.
+Every algorithm runs through it (algorithm=grpo, dapo, ppo, ...). Thin by design: compose the
+config, build the typed one (distflow.config checks every key and value), hand it to
+distflow.Trainer. The library itself never imports Hydra.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from distflow.output import quiet_third_party_env
+from distflow.run.output import quiet_third_party_env
 
 quiet_third_party_env()  # before torch, vLLM or datasets start logging
 
@@ -18,43 +19,47 @@ from hydra.core.config_store import ConfigStore  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
-from distflow.config import ConfigError, DistflowConfig, check_known_keys  # noqa: E402
+from distflow.config import ConfigError, DistflowConfig, hydra_schema, rename_overrides  # noqa: E402
 
 RECIPES_DIR = os.path.dirname(os.path.abspath(__file__))
 
-ConfigStore.instance().store(name="distflow_schema", node=DistflowConfig)
+ConfigStore.instance().store(name="distflow_schema", node=hydra_schema(DistflowConfig))
 # Data files shipped beside the recipes are addressed as ${recipes_dir:}/data/...,
 # so no path depends on the working directory.
 OmegaConf.register_new_resolver("recipes_dir", lambda: RECIPES_DIR, replace=True)
 
 
 def _prepare_argv() -> None:
-    """Only rank 0 writes .hydra/; logging is distflow's own (distflow.output) on every rank;
-    multirun cannot work under torchrun. The working directory goes on sys.path (last, so it
-    shadows nothing): `python script.py` puts only the script's folder there, and a user's
-    reward module beside them (task.reward=my_rewards:fn) would not import, here or in the
-    reward workers, which inherit this sys.path."""
+    """Old key spellings become the new ones (one line each, on rank 0); only rank 0 writes .hydra/;
+    logging is distflow's own (distflow.run.output) on every rank; multirun cannot work under
+    torchrun. The working directory goes on sys.path (last, so it shadows nothing): `python
+    script.py` puts only the script's folder there, and a user's reward module beside them
+    (task.reward=my_rewards:fn) would not import, here or in the reward workers, which inherit
+    this sys.path."""
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
-    args = sys.argv[1:]
+    args, notes = rename_overrides(sys.argv[1:])
+    if int(os.environ.get("RANK", "0")) == 0:
+        for note in notes:
+            print(f"distflow: warning: {note}", file=sys.stderr, flush=True)
     if "WORLD_SIZE" in os.environ and any(a in ("-m", "--multirun") for a in args):
         sys.exit("distflow: error: Hydra multirun (-m) is not supported under torchrun; "
                  "sweep by launching one torchrun per configuration instead.")
-    sys.argv += ["hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+    args += ["hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
     if int(os.environ.get("RANK", "0")) != 0:
-        sys.argv += ["hydra.output_subdir=null"]
+        args += ["hydra.output_subdir=null"]
+    sys.argv[1:] = args
 
 
 @record
 @hydra.main(config_path=".", config_name="grpo", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from distflow.preemption import EXIT_STOPPED
-    from distflow.resume import RunComplete
+    from distflow.run.preemption import EXIT_STOPPED
+    from distflow.run.resume import RunComplete
     from distflow.trainer import RunAborted, Trainer
 
     try:
-        check_known_keys(OmegaConf.to_container(cfg, resolve=False))
-        config: DistflowConfig = OmegaConf.to_object(cfg)
+        config = DistflowConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
         trainer = Trainer(config)
     except ConfigError as e:
         print(f"distflow: error: {e}", file=sys.stderr, flush=True)

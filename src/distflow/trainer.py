@@ -6,10 +6,11 @@ locally (so group statistics need no communication), and joins the others only t
 FSDP's collectives and a few small all_reduces (global counts, batch statistics, metrics).
 Ranks that share a tensor-parallel engine also all-gather their requests before each engine
 call (distflow.rollout.engine_group); each still keeps only its own groups.
-Multi-turn tasks (task.env) generate episodes instead of single responses (distflow.episodes);
+Multi-turn tasks (task.env) generate episodes instead of single responses (distflow.rollout.episodes);
 everything after rollout is the same, with observation tokens masked out of the loss.
 Algorithms differ only in the functions the config selects (distflow.algorithms.registry).
-Each phase returns what it made; nothing is filled in later.
+Each phase returns what it made (rollouts and their pending rewards, logprobs, advantages, the
+update's record), and the step report turns those records into metrics (distflow.run.report).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import random
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,35 +28,36 @@ import torch
 from transformers import AutoTokenizer
 
 from distflow.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, dynamic_sampling_keep
-from distflow.balance import balance_groups
-from distflow.batch import CURRENT_POLICY, OldLogprobs, TokenBatch, UpdateBatch
-from distflow.checkpoint import POLICY, Checkpointer, ModelOptimState, RNGState
-from distflow.config import DistflowConfig
-from distflow.critic import Critic
-from distflow.data.prompts import load_prompts
-from distflow.data.sampler import ShardedSampler
-from distflow.devices import resolve_auto
-from distflow.episodes import EpisodeRunner, SingleTurn
-from distflow.distributed import all_reduce, barrier, broadcast_object, init_distributed, shutdown, waited_s
-from distflow.evaluation import evaluate
-from distflow.export import export_live
-from distflow.faults import inject_fault, save_fault
-from distflow.hostmem import limit_malloc_retention
-from distflow.layout import ParallelLayout
-from distflow.metrics import MetricLogger
-from distflow.models import resolve_on_local_rank0_first
-from distflow.output import save_config, setup_output
-from distflow.lora import adapter_tensors
-from distflow.policy import Policy, check_lora_targets
-from distflow.preemption import StepBoundary, Stopped, StopSignal, write_stop_file
-from distflow.reporting import StragglerWatch, UpdateResult, run_summary, step_report, timed
-from distflow.resume import ResumePlan, config_record, plan_resume
+from distflow.config import DistflowConfig, config_record
+from distflow.data import ShardedSampler, load_prompts
+from distflow.distributed import all_reduce, barrier, init_distributed, on_local_rank0_first, shutdown, waited_s
+from distflow.distributed.devices import resolve_auto
+from distflow.distributed.hostmem import limit_malloc_retention
+from distflow.distributed.layout import ParallelLayout
+from distflow.models import resolve_model_path
 from distflow.rewards.pool import RewardPool
-from distflow.rollout import Sample, build_engine
+from distflow.rollout import build_engine
+from distflow.rollout.balance import balance_groups
+from distflow.rollout.episodes import EpisodeRunner, SingleTurn
+from distflow.rollout.evaluation import evaluate
+from distflow.rollout.groups import Rollouts, sample_seed
+from distflow.rollout.scoring import score_groups, shape_rewards
 from distflow.rollout.weight_sync import full_parameters, max_logprob_diff, warn_if_out_of_sync
-from distflow.rollouts import Rollouts, sample_seed
-from distflow.scoring import score_groups, shape_rewards
-from distflow.update import forward_rows, optimize, response_logprobs
+from distflow.run.checkpoint import POLICY, Checkpointer, ModelOptimState, RNGState
+from distflow.run.export import export_live
+from distflow.run.faults import inject_fault, save_fault
+from distflow.run.loggers import MetricLogger
+from distflow.run.output import save_config, setup_output
+from distflow.run.preemption import StepBoundary, Stopped, StopSignal, write_stop_file
+from distflow.run.report import StragglerWatch, run_summary, step_report, timed
+from distflow.run.resume import agree_on_plan
+from distflow.run.rundir import RunDir
+from distflow.sample import Sample
+from distflow.train.batch import CURRENT_POLICY, OldLogprobs, TokenBatch, UpdateBatch
+from distflow.train.critic import Critic
+from distflow.train.lora import adapter_tensors
+from distflow.train.policy import Policy, check_lora_targets
+from distflow.train.update import UpdateResult, forward_rows, optimize, response_logprobs
 
 log = logging.getLogger("distflow")
 
@@ -77,27 +78,28 @@ class Logprobs:
 class Trainer:
     def __init__(self, cfg: DistflowConfig):
         self.cfg = cfg.validate()
-        t, a = cfg.trainer, cfg.algorithm
-        limit_malloc_retention(t.host_mmap_threshold_kib)  # before any model or engine allocates
+        r, a = cfg.run, cfg.algorithm
+        limit_malloc_retention(r.host_mmap_threshold_kib)  # before any model or engine allocates
         # Order matters: process group, then engine (reuses it), then the FSDP models.
-        self.dist = init_distributed(t.backend, t.device, t.collective_timeout_s)
+        self.dist = init_distributed(r.backend, r.device, r.collective_timeout_s)
         self.cfg = cfg = resolve_auto(cfg, self.dist.device)  # dtype, eager mode, shard degree for the device
-        self.plan = self.plan_resume()  # before anything is written or loaded: may stop the launch
+        self.run_dir = RunDir(r.output_dir)
+        self.plan = agree_on_plan(cfg, self.dist)  # before anything is written or loaded: may stop here
         # From here on SIGTERM/SIGUSR1 only set a flag: the run saves and stops after its next step
         # (also when the signal comes during start-up, so a requeued job is requeued again).
         self.stop_signal = StopSignal().install()
         self.stopped: Stopped | None = None
-        setup_output(t.output_dir, self.dist.rank, t.log_level)
+        setup_output(self.run_dir.rank_log(self.dist.rank), self.dist.rank, cfg.logging.level)
         for note in self.plan.warnings:
             log.warning(note)
         log.info(f"{self.dist.world_size} rank(s) on {self.dist.device.type} ({self.dist.backend}), "
                  f"model dtype {cfg.model.dtype}")
         self.layout = ParallelLayout.from_config(cfg.model, self.dist, cfg.rollout.tensor_parallel_size)
-        save_config(cfg, t.output_dir, write=self.dist.is_main)
-        random.seed(t.seed)
-        np.random.seed(t.seed)
-        torch.manual_seed(t.seed)
-        self.model_path = resolve_on_local_rank0_first(cfg.model.path, self.dist.local_rank)
+        save_config(cfg, self.run_dir.config, write=self.dist.is_main)
+        random.seed(r.seed)
+        np.random.seed(r.seed)
+        torch.manual_seed(r.seed)
+        self.model_path = on_local_rank0_first(lambda: resolve_model_path(cfg.model.path), self.dist.local_rank)
         self.tokenizer = tok = AutoTokenizer.from_pretrained(self.model_path)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         # a bad reward or task.env stops here, before any model loads; workers start while the models load
@@ -106,11 +108,11 @@ class Trainer:
         self.scoring_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distflow-scoring")
         limit = cfg.rollout.max_prompt_tokens
         self.items = load_prompts(cfg.task, tok, limit, env=env)
-        wants_val = bool(t.val_every or t.val_before_train or t.val_at_end)
-        self.heldout = load_prompts(cfg.task, tok, limit, split="heldout", env=env) if wants_val else []
-        self.sampler = ShardedSampler(len(self.items), self.dist.rank, self.dist.world_size, t.seed, cfg.data.shuffle)
+        self.heldout = load_prompts(cfg.task, tok, limit, split="heldout", env=env) if cfg.validation.wanted else []
+        self.sampler = ShardedSampler(len(self.items), self.dist.rank, self.dist.world_size, r.seed, cfg.data.shuffle)
         check_lora_targets(self.model_path, cfg.model)  # before any weights load
-        self.engine = build_engine(self.model_path, cfg.model, cfg.rollout, self.dist.device, t.seed,
+        log.info(f"loading weights: {cfg.model.path} into the {cfg.rollout.engine} engine and the policy")
+        self.engine = build_engine(self.model_path, cfg.model, cfg.rollout, self.dist.device, r.seed,
                                    self.layout.engine_group)
         # single-turn generation, or multi-turn episodes with the task's environment
         self.runner = EpisodeRunner(self.engine, self.rewards, tok, cfg.rollout,
@@ -121,37 +123,39 @@ class Trainer:
         self.reference = None if a.kl_coef <= 0 else self.policy.base() if self.policy.lora \
             else Policy(self.model_path, cfg.model, cfg.optim, self.layout, trainable=False)
         # The critic exists only for estimators that need values (PPO's GAE).
-        critic_path = resolve_on_local_rank0_first(cfg.critic.path, self.dist.local_rank) if cfg.critic.path \
-            else self.model_path
-        self.critic = Critic(critic_path, cfg.critic, cfg.model, cfg.optim, self.layout) if cfg.critic.enabled else None
+        critic_path = on_local_rank0_first(lambda: resolve_model_path(cfg.critic.path), self.dist.local_rank) \
+            if cfg.critic.path else self.model_path
+        self.critic = Critic(critic_path, cfg.critic, cfg.model, cfg.optim, self.layout) if cfg.has_critic else None
         self.estimator = ADVANTAGE_ESTIMATORS[a.advantage]
-        self.step, self.history, self.evaluations, self.nonfinite_streak = 0, [], {}, 0
-        self.checkpointer = Checkpointer(t.output_dir, t.keep_last, self.dist.rank)
-        self.checkpointer.before_marker = save_fault(t.fault_inject, self.dist.rank)
+        self.step, self.evaluations, self.nonfinite_streak = 0, {}, 0
+        self.last_metrics: dict[str, float] = {}
+        self.checkpointer = Checkpointer(self.run_dir.checkpoints, cfg.checkpoint.keep_last, self.dist.rank)
+        self.checkpointer.before_marker = save_fault(r.fault_inject, self.dist.rank)
         self.register_state()
         self.resume()
-        self.logger = MetricLogger(t.output_dir, self.dist.is_main, t.steps, t.progress_bar, loggers=t.loggers,
-                                   run_config=cfg, project=t.wandb_project, history=self.history)
-        self.boundary = StepBoundary(t.checkpoint_every, t.checkpoint_every_s, t.checkpoint_at_end)
-        self.stragglers = StragglerWatch(t.straggler_warn_steps)
+        self.logger = MetricLogger(self.run_dir, self.dist.is_main, r.steps, cfg.logging, config_record(cfg),
+                                   resumed_step=self.step)
+        c = cfg.checkpoint
+        self.boundary = StepBoundary(c.every, c.every_s, c.at_end)
+        self.stragglers = StragglerWatch(cfg.logging.straggler_warn_steps)
 
     # ----------------------------------------------------------------- the loop
     def train(self) -> None:
-        t = self.cfg.trainer
+        steps, v = self.cfg.run.steps, self.cfg.validation
         start = time.perf_counter()
         if self.stop_at_start():
             return
-        if t.val_before_train and self.step == 0:
+        if v.before_train and self.step == 0:
             self.evaluations["before"] = self.validate()
-        while self.step < t.steps:
+        while self.step < steps:
             self.step += 1
             metrics = self.train_step()
-            if t.val_every and self.step % t.val_every == 0 and self.step != t.steps:
+            if v.every and self.step % v.every == 0 and self.step != steps:
                 metrics.update(self.validate())
-            if self.step == t.steps and t.val_at_end:
+            if self.step == steps and v.at_end:
                 self.evaluations["after"] = self.validate()
                 metrics.update(self.evaluations["after"])
-            self.history.append(metrics)
+            self.last_metrics = metrics
             self.logger.log(metrics)
             if note := self.stragglers.observe(metrics):
                 log.warning(f"step {self.step}: {note}")
@@ -172,7 +176,7 @@ class Trainer:
         with timed(timing, "reward"):  # what scoring did not hide behind the logprob pass
             rewards = pending.result()
         batch = self.compute_advantages(batch, rewards, logprobs)
-        batch = inject_fault(self.cfg.trainer.fault_inject, self.dist.rank, self.step, batch)
+        batch = inject_fault(self.cfg.run.fault_inject, self.dist.rank, self.step, batch)
         with timed(timing, "update"):
             result = self.update(batch)
         self.nonfinite_streak = self.nonfinite_streak + 1 if result.nonfinite_skipped else 0
@@ -210,7 +214,7 @@ class Trainer:
                 break
         if a.dynamic_sampling and kept.rewards is None:
             kept.rewards = torch.zeros((0, a.group_size))
-        if self.cfg.trainer.balance_lengths:  # the update waits for the rank with the most tokens
+        if self.cfg.run.balance_lengths:  # the update waits for the rank with the most tokens
             with timed(timing, "balance"):
                 moved, kept.stats.balance = balance_groups(kept.groups(), kept.token_costs(), self.dist.device)
                 kept.set_groups(moved)
@@ -226,7 +230,7 @@ class Trainer:
         items = [self.items[i] for i in idx]
         # the sampler's position makes seeds unique across rounds and steps
         pos = self.sampler.state_dict()
-        seeds = [sample_seed(self.cfg.trainer.seed, pos["epoch"], pos["offset"], self.dist.rank, i) for i in idx]
+        seeds = [sample_seed(self.cfg.run.seed, pos["epoch"], pos["offset"], self.dist.rank, i) for i in idx]
         log.debug(f"step {self.step} items (epoch, index): {json.dumps(self.sampler.last_positions)}")
         groups = self.runner.run(items, self.cfg.algorithm.group_size, seeds)
         return Rollouts(self.cfg.algorithm.group_size, items, [s for g in groups for s in g])
@@ -268,11 +272,10 @@ class Trainer:
 
     def end_step(self) -> bool:
         """Checkpoint when due (interval, clock, end of run, signal); True when a signal stops the run."""
-        save, halt = self.boundary.decide(self.step, self.step == self.cfg.trainer.steps, self.stop_signal)
+        save, halt = self.boundary.decide(self.step, self.step == self.cfg.run.steps, self.stop_signal)
         path = None
         if save:
-            meta = {"model_path": self.model_path, "world_size": self.dist.world_size, "config": config_record(self.cfg)}
-            path = str(self.checkpointer.save(self.step, meta))
+            path = str(self.checkpointer.save(self.step, config_record(self.cfg), self.model_path))
             self.boundary.saved()
         if halt:
             self.report_stop(path)
@@ -290,16 +293,16 @@ class Trainer:
         self.stopped = Stopped(self.step, checkpoint, self.stop_signal.name or "a signal to another rank")
         where = f"with checkpoint {checkpoint}" if checkpoint else "with no checkpoint (nothing trained yet)"
         log.warning(f"{self.stopped.signal}: stopped after step {self.step} {where}; "
-                    "relaunch with the same trainer.output_dir to resume")
+                    "relaunch with the same run.output_dir to resume")
         if self.dist.is_main:
             write_stop_file(self.stopped)
         barrier()  # no rank exits before the launcher can read where the run stopped
 
     def check_finite_streak(self) -> None:
-        """Stop after trainer.max_nonfinite_steps consecutive steps whose update was dropped."""
-        if self.nonfinite_streak >= self.cfg.trainer.max_nonfinite_steps:
+        """Stop after run.max_nonfinite_steps consecutive steps whose update was dropped."""
+        if self.nonfinite_streak >= self.cfg.run.max_nonfinite_steps:
             raise RunAborted(f"step {self.step}: the loss or gradient norm was not finite for "
-                             f"{self.nonfinite_streak} consecutive steps (trainer.max_nonfinite_steps); stopping")
+                             f"{self.nonfinite_streak} consecutive steps (run.max_nonfinite_steps); stopping")
 
     def sync_weights(self) -> None:
         """The engine gets the policy: all weights (a LoRA policy's merged), or only the adapters."""
@@ -311,7 +314,7 @@ class Trainer:
 
     def probe_sync(self, samples: list[Sample]) -> float:
         """Max |engine - policy| logprob on this step's sequences, after the resync (NaN when not probed)."""
-        n, every = self.cfg.trainer.sync_probe_seqs, self.cfg.trainer.sync_probe_every
+        n, every = self.cfg.run.sync_probe_seqs, self.cfg.run.sync_probe_every
         if n == 0 or (self.step % every and self.step != 1):
             return float("nan")
         seqs = [s.prompt_ids + s.response_ids for s in samples[:n]] or [[self.pad_id, self.pad_id]]
@@ -319,9 +322,8 @@ class Trainer:
                                    self.step)
 
     def validate(self) -> dict[str, float]:
-        k = self.cfg.trainer.val_pass_k
-        return evaluate(self.runner, self.rewards, self.tokenizer, self.heldout, self.dist, k,
-                        seed=self.cfg.trainer.seed)
+        return evaluate(self.runner, self.rewards, self.tokenizer, self.heldout, self.dist, self.cfg.validation.pass_k,
+                        seed=self.cfg.run.seed)
 
     # ----------------------------------------------------------------- state
     def register_state(self) -> None:
@@ -335,33 +337,15 @@ class Trainer:
             ck.register("critic", ModelOptimState(self.critic.model, self.critic.optimizer), "sharded")
             ck.register("critic_schedule", self.critic.scheduler, "shared")
         ck.register("sampler", self.sampler, "rank")
-        ck.register("rng", RNGState(self.dist.device, self.cfg.trainer.seed), "rank")
+        ck.register("rng", RNGState(self.dist.device, self.cfg.run.seed), "rank")
         ck.register("trainer", self, "shared")
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "history": self.history, "evaluations": self.evaluations,
-                "nonfinite_streak": self.nonfinite_streak}
+        """The trainer's counters (the metric history stays in metrics.jsonl)."""
+        return {"step": self.step, "evaluations": self.evaluations, "nonfinite_streak": self.nonfinite_streak}
 
     def load_state_dict(self, state: dict) -> None:
-        self.step, self.history = state["step"], state["history"]
-        self.evaluations, self.nonfinite_streak = state["evaluations"], state["nonfinite_streak"]
-
-    def plan_resume(self) -> ResumePlan:
-        """Rank 0 reads the output folder and decides (distflow.resume); every rank gets the
-        plan, or the same error (a ConfigError, or RunComplete when there is nothing to do)."""
-        outcome: ResumePlan | Exception | None = None
-        if self.dist.is_main:
-            try:
-                # a restarted torchrun attempt or a requeued SLURM job continues its launch
-                restart = max(int(os.environ.get(v, "0") or 0) for v in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
-                outcome = plan_resume(self.cfg, restart)
-            except Exception as e:  # noqa: BLE001 - handed to every rank, raised there
-                outcome = e
-        outcome = broadcast_object(outcome)
-        if isinstance(outcome, Exception):
-            shutdown()
-            raise outcome
-        return outcome
+        self.step, self.evaluations, self.nonfinite_streak = state["step"], state["evaluations"], state["nonfinite_streak"]
 
     def resume(self) -> None:
         """Restore everything the planned checkpoint holds, then give the engine the restored weights."""
@@ -376,12 +360,11 @@ class Trainer:
 
     def finish(self, wall_s: float) -> None:
         """End of run: export, then summary.json and plots."""
-        t = self.cfg.trainer
-        if t.export_at_end:  # a plain HF folder of the final policy (LoRA: merged, and the adapter folder)
-            export_live(self.policy.model, self.model_path, os.path.join(t.output_dir, "hf_model"), self.dist.is_main,
-                        self.policy.adapter_config, os.path.join(t.output_dir, "adapter"))
-        summary = run_summary(self.step, wall_s, self.dist.world_size, self.evaluations, self.history)
-        self.summary_file = self.logger.finish(summary, plots=t.plot_at_end)
+        if self.cfg.checkpoint.export_at_end:  # a plain HF folder of the final policy (LoRA: merged, and the adapters)
+            export_live(self.policy.model, self.model_path, str(self.run_dir.hf_model), self.dist.is_main,
+                        self.policy.adapter_config, str(self.run_dir.adapter))
+        summary = run_summary(self.step, wall_s, self.dist.world_size, self.evaluations, self.last_metrics)
+        self.logger.finish(summary, plots=self.cfg.logging.plot_at_end)
 
     def close(self) -> None:
         if hasattr(self, "stop_signal"):
@@ -391,4 +374,5 @@ class Trainer:
         self.scoring_thread.shutdown(wait=True)
         self.rewards.close()
         self.engine.shutdown()
-        shutdown()
+        if self.dist.owns_group:
+            shutdown()

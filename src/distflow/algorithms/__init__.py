@@ -9,8 +9,8 @@ from distflow.algorithms.advantages import (
     Estimator,
     GlobalSum,
     discounted_returns,
-    equal_groups,
     dynamic_sampling_keep,
+    equal_groups,
     gae,
     gae_advantages,
     group_normalized_advantages,
@@ -40,7 +40,6 @@ from distflow.algorithms.registry import (
     POLICY_LOSSES,
     SEQUENCE_ESTIMATORS,
     compute_token_loss,
-    validate_algorithm,
 )
 
 __all__ = [
@@ -77,7 +76,6 @@ __all__ = [
     "sequence_kl",
     "tis_weights",
     "token_kl",
-    "validate_algorithm",
     "value_loss",
     "whiten_global",
 ]

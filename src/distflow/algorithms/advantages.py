@@ -37,7 +37,7 @@ GlobalSum = Callable[[list], Union[Sequence[float], torch.Tensor]]
 class AdvantageInputs:
     """What an estimator sees, for the N samples of a rank (group-major)."""
 
-    scores: torch.Tensor  # [N] outcome reward per sample, after shaping (distflow.scoring.shape_rewards)
+    scores: torch.Tensor  # [N] outcome reward per sample, after shaping (distflow.rollout.scoring.shape_rewards)
     token_rewards: torch.Tensor  # [N, R] per-token rewards (e.g. -beta * KL), 0 on padding
     mask: torch.Tensor  # [N, R] 1 on generated response tokens (0 on padding and observation tokens)
     values: Optional[torch.Tensor] = None  # [N, R] the critic's V(state before token t), for GAE

@@ -17,15 +17,15 @@ masks "clip_low", "clip_high", "dual_clip" (already ANDed with mask: sum them fo
 from __future__ import annotations
 
 import math
+import typing
 from typing import Optional
 
 import torch
 
 from distflow.config import AlgorithmConfig
+from distflow.config.algorithm import LossAggMode
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-
-
+LOSS_AGG_MODES = typing.get_args(LossAggMode)
 
 MAX_LOG_RATIO = 20.0  # |log ratio| clamp before exp, as verl: keeps exp finite in fp32
 

@@ -1,6 +1,7 @@
-"""Name -> function tables for the algorithm knobs, a config check, and the composed token loss.
+"""Name -> function tables for the algorithm knobs, and the composed token loss.
 
-The trainer looks functions up here by the config's names and never branches on them.
+The trainer looks functions up here by the config's names and never branches on them; the names
+are the choices distflow.config.algorithm declares (a unit test holds the two together).
 """
 
 from __future__ import annotations
@@ -19,13 +20,11 @@ from distflow.algorithms.advantages import (
     sequence_estimator,
 )
 from distflow.algorithms.kl import KL_ESTIMATORS, kl_penalty
-from distflow.algorithms.losses import LOSS_AGG_MODES, cispo_loss, gspo_loss, ppo_clip_loss, tis_weights
-from distflow.config import AlgorithmConfig, ConfigError
+from distflow.algorithms.losses import cispo_loss, gspo_loss, ppo_clip_loss, tis_weights
+from distflow.config import CRITIC_ESTIMATORS, AlgorithmConfig
 
 # fn(rewards [num_groups, G], cfg, global_sum) -> advantages [num_groups, G]: one per sequence.
 SEQUENCE_ESTIMATORS: dict[str, Callable] = {"grpo": grpo_advantages, "rloo": rloo_advantages}
-# Estimators that need a critic's token-level values.
-CRITIC_ESTIMATORS = ("gae",)
 # fn(AdvantageInputs, cfg, global_sum) -> (advantages [N,R], returns [N,R] or None): the trainer's one signature.
 ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
     **{name: sequence_estimator(fn) for name, fn in SEQUENCE_ESTIMATORS.items()},
@@ -33,50 +32,12 @@ ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
     "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
     "gae": gae_advantages,
 }
-# Estimators whose baseline is the sample's own group: useless (or undefined) with group_size 1.
-GROUP_RELATIVE = ("grpo", "rloo", "reinforce_pp_baseline")
 
 # fn(logp [B,T], old_logp [B,T], advantages [B] | [B,T], mask [B,T], cfg) -> (token_loss [B,T], info)
 POLICY_LOSSES: dict[str, Callable] = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss, "cispo": cispo_loss}
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "CRITIC_ESTIMATORS", "KL_ESTIMATORS", "POLICY_LOSSES", "SEQUENCE_ESTIMATORS",
-           "compute_token_loss", "validate_algorithm"]
-
-
-def _choice(value: str, key: str, options) -> Optional[str]:
-    return None if value in options else f"unknown algorithm.{key} {value!r}; choose from {', '.join(options)}"
-
-
-def validate_algorithm(cfg: AlgorithmConfig) -> None:
-    """Raise ConfigError (one line) on the first unknown name or out-of-range algorithm knob."""
-    checks = [
-        _choice(cfg.advantage, "advantage", tuple(ADVANTAGE_ESTIMATORS)),
-        _choice(cfg.policy_loss, "policy_loss", tuple(POLICY_LOSSES)),
-        _choice(cfg.kl_estimator, "kl_estimator", tuple(KL_ESTIMATORS)),
-        _choice(cfg.loss_agg_mode, "loss_agg_mode", LOSS_AGG_MODES),
-        None if cfg.group_size >= 1 else f"algorithm.group_size must be >= 1, got {cfg.group_size}",
-        None if cfg.group_size >= 2 or cfg.advantage not in GROUP_RELATIVE else
-        f"algorithm.advantage={cfg.advantage} is group-relative and needs group_size >= 2, got {cfg.group_size}",
-        None if cfg.group_size >= 2 or not cfg.dynamic_sampling else
-        "algorithm.dynamic_sampling needs group_size >= 2 (a group of one always has equal rewards)",
-        None if 0 <= cfg.clip_eps_low <= cfg.clip_eps_high else
-        f"need 0 <= algorithm.clip_eps_low <= clip_eps_high, got {cfg.clip_eps_low}, {cfg.clip_eps_high}",
-        None if cfg.kl_coef >= 0 else f"algorithm.kl_coef must be >= 0, got {cfg.kl_coef}",
-        None if cfg.dual_clip_c is None or cfg.dual_clip_c > 1 else
-        f"algorithm.dual_clip_c must be > 1 (or null), got {cfg.dual_clip_c}",
-        None if cfg.tis_cap is None or cfg.tis_cap > 0 else
-        f"algorithm.tis_cap must be > 0 (or null), got {cfg.tis_cap}",
-        None if cfg.max_sampling_rounds >= 1 else
-        f"algorithm.max_sampling_rounds must be >= 1, got {cfg.max_sampling_rounds}",
-        None if cfg.overlong_buffer_len >= 0 else
-        f"algorithm.overlong_buffer_len must be >= 0, got {cfg.overlong_buffer_len}",
-        None if cfg.overlong_penalty >= 0 else f"algorithm.overlong_penalty must be >= 0, got {cfg.overlong_penalty}",
-        None if cfg.eps > 0 else f"algorithm.eps must be > 0, got {cfg.eps}",
-        None if cfg.ppo_epochs >= 1 else f"algorithm.ppo_epochs must be >= 1, got {cfg.ppo_epochs}",
-    ]
-    for msg in checks:
-        if msg:
-            raise ConfigError(msg)
+           "compute_token_loss"]
 
 
 def compute_token_loss(

@@ -1,4 +1,4 @@
-"""Environments: what answers the model's turns in a multi-turn episode (distflow.episodes).
+"""Environments: what answers the model's turns in a multi-turn episode (distflow.rollout.episodes).
 
 `task.env` names the class ("tools" for `ToolEnv`, or "package.module:Class"); it is built
 with `task.env_args` as keyword arguments, once in the trainer's process and once in each
@@ -25,10 +25,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from distflow.config import ConfigError, TaskConfig
+from distflow.config import ConfigError
+from distflow.config.specs import resolve
+from distflow.envs.calculator import Calculator
 from distflow.envs.parsers import ToolCallError, load_parser
-from distflow.envs.tools import build_tools, truncate
-from distflow.specs import resolve
+from distflow.envs.python_tool import PythonExecutor
+from distflow.envs.tools import Tool, truncate
 
 
 @dataclass
@@ -113,6 +115,26 @@ def _signature(schema: dict) -> str:
     return "{" + ", ".join(f"{json.dumps(k)}: {v.get('type', 'any')}" for k, v in props.items()) + "}"
 
 
+BUILTIN_TOOLS: dict[str, type] = {"calculator": Calculator, "python": PythonExecutor}
+
+
+def build_tools(
+    names: list[str], *, timeout_s: float = 5.0, memory_mib: int = 512, max_output_chars: int = 2000
+) -> dict[str, Tool]:
+    """The named built-in tools, by name; ConfigError for an unknown or repeated name."""
+    tools: dict[str, Tool] = {}
+    for name in names:
+        if name not in BUILTIN_TOOLS:
+            raise ConfigError(f"unknown tool {name!r}; the built-in tools are {', '.join(BUILTIN_TOOLS)}")
+        if name in tools:
+            raise ConfigError(f"tool {name!r} is listed twice")
+        if name == "python":
+            tools[name] = PythonExecutor(timeout_s=timeout_s, memory_mib=memory_mib, max_output_chars=max_output_chars)
+        else:
+            tools[name] = BUILTIN_TOOLS[name](max_output_chars=max_output_chars)
+    return tools
+
+
 BUILTIN_ENVS = {"tools": ToolEnv}
 
 
@@ -133,8 +155,3 @@ def build_env(spec: str, args: dict):
         if not callable(getattr(env, method, None)):
             raise ConfigError(f"task.env {spec!r} has no {method}() method (see distflow.envs)")
     return env
-
-
-def env_from_task(task: TaskConfig):
-    """The task's environment, or None for single-turn tasks."""
-    return build_env(task.env, dict(task.env_args)) if task.env else None

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Callable
 
-from distflow.specs import resolve
+from distflow.config.specs import resolve
 
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
 

@@ -152,14 +152,3 @@ def resolve_model_path(path: str) -> str:
 
         return ensure_smollm2()
     return os.path.expanduser(path)
-
-
-def resolve_on_local_rank0_first(path: str, local_rank: int) -> str:
-    """Built-in models are built or converted once per node: local rank 0 does it while the
-    others wait at a barrier, then they only find the finished folder."""
-    from distflow.distributed import barrier
-
-    if local_rank == 0:
-        resolved = resolve_model_path(path)
-    barrier()
-    return resolved if local_rank == 0 else resolve_model_path(path)

@@ -18,10 +18,16 @@ from __future__ import annotations
 
 from typing import Callable
 
-from distflow.rewards.builtin import (countdown_reward, format_reward, gsm8k_reward, length_penalty_reward, math_reward,
-                                      tool_use_reward)
+from distflow.config.specs import resolve
+from distflow.rewards.builtin import (
+    countdown_reward,
+    format_reward,
+    gsm8k_reward,
+    length_penalty_reward,
+    math_reward,
+    tool_use_reward,
+)
 from distflow.rewards.numeric import numeric_match
-from distflow.specs import resolve
 
 RewardFn = Callable[[str, str, list, dict], float]
 

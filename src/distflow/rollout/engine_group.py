@@ -10,7 +10,7 @@ world size.
 
 Seeds: a prompt's sample seed is derived exactly as with one engine per rank (sample_seed(run
 seed, epoch, offset, owning rank, index)) and travels with the prompt, so every rank of the group
-hands vLLM the same seed for it; the engine seed (trainer.seed) is the same on every rank.
+hands vLLM the same seed for it; the engine seed (run.seed) is the same on every rank.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from distflow.distributed import waiting
-from distflow.rollout.base import RolloutEngine, Sample
+from distflow.rollout.base import RolloutEngine
+from distflow.sample import Sample
 
 
 class EngineGroup:

@@ -12,8 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distflow.config import ModelConfig, RolloutConfig
-from distflow.devices import torch_dtype
-from distflow.rollout.base import Sample
+from distflow.distributed.devices import torch_dtype
+from distflow.sample import Sample
 
 
 class HFEngine:

@@ -31,15 +31,15 @@ from typing import Iterable
 import torch
 
 from distflow.config import MAX_ENGINE_LORA_RANK, ConfigError, ModelConfig, RolloutConfig
-from distflow.devices import enforce_eager, torch_dtype
-from distflow.rollout.base import Sample
+from distflow.distributed.devices import enforce_eager, torch_dtype
+from distflow.sample import Sample
 
 
 def max_model_len(rollout: RolloutConfig) -> int:
     """The longest sequence the engine is asked about: the post-resync probe resubmits a full
     prompt plus its full response as a prompt and asks for one more token. A multi-turn episode's
     later turns start from up to the whole response budget and may ask for max_new_tokens more
-    (distflow.episodes cuts what passes the budget)."""
+    (distflow.rollout.episodes cuts what passes the budget)."""
     later_turn = rollout.max_new_tokens if rollout.max_turns > 1 else 0
     return rollout.max_prompt_tokens + rollout.response_budget() + later_turn + 1
 
@@ -182,7 +182,7 @@ class VLLMEngine:
         what a fresh adapter (B = 0) computes."""
         from vllm.lora.request import LoRARequest
 
-        from distflow.lora import write_adapter_folder
+        from distflow.train.lora import write_adapter_folder
 
         assert self.adapter_dir is not None, "load_adapter needs an engine built for model.lora.resync=adapter"
         write_adapter_folder(tensors, config, self.adapter_dir)

@@ -14,7 +14,8 @@ import logging
 from typing import Iterator
 
 import torch
-from distflow.lora import merged_parameters
+
+from distflow.train.lora import merged_parameters
 
 log = logging.getLogger("distflow")
 
@@ -31,8 +32,8 @@ PROBE_WARN_ABOVE = {"float32": 1e-3, "bfloat16": 1.0}
 def max_logprob_diff(engine, policy, seqs: list[list[int]], pad_id: int) -> float:
     """Max |engine - policy| logprob of every token after the first of `seqs`, at temperature 1:
     after a resync the two must agree (a wrong or partial resync shows up here)."""
-    from distflow.batch import TokenBatch
-    from distflow.rollout.base import Sample
+    from distflow.sample import Sample
+    from distflow.train.batch import TokenBatch
 
     engine_lp = engine.prompt_logprobs(seqs)
     as_samples = [Sample(seq[:1], seq[1:], [], False) for seq in seqs]
@@ -58,7 +59,7 @@ def full_parameters(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, full tensor in `dtype`) for every unique parameter of `model`; a model with
     LoRA adapters yields its base weights with the adapters merged in, under the HF names
-    (distflow.lora.merged_parameters).
+    (distflow.train.lora.merged_parameters).
 
     named_parameters() deduplicates tied weights (e.g. lm_head tied to embed_tokens), so a
     tied head is sent once under the embedding's name; engines that keep a separate head

@@ -1,0 +1,28 @@
+"""The one description of a run: typed sections, each field with its doc and whether it is
+operational (may change on resume), choices as Literal, one validation pass before anything
+loads, one config record, old key spellings, and resolving user-named callables.
+
+docs/configuration.md is generated from here (`python -m distflow config-docs`).
+"""
+
+from distflow.config.algorithm import CRITIC_ESTIMATORS, AlgorithmConfig
+from distflow.config.aliases import rename_overrides
+from distflow.config.fields import ConfigError, hydra_schema
+from distflow.config.model import (
+    BUILTIN_MODELS,
+    MAX_ENGINE_LORA_RANK,
+    CriticConfig,
+    LoraConfig,
+    ModelConfig,
+    OptimConfig,
+)
+from distflow.config.rollout import DataConfig, RolloutConfig, TaskConfig
+from distflow.config.run import CheckpointConfig, LoggingConfig, RunConfig, ValidationConfig
+from distflow.config.schema import OPERATIONAL, DistflowConfig, config_differences, config_record
+
+__all__ = [
+    "BUILTIN_MODELS", "CRITIC_ESTIMATORS", "MAX_ENGINE_LORA_RANK", "OPERATIONAL", "AlgorithmConfig", "CheckpointConfig",
+    "ConfigError", "CriticConfig", "DataConfig", "DistflowConfig", "LoggingConfig", "LoraConfig", "ModelConfig",
+    "OptimConfig", "RolloutConfig", "RunConfig", "TaskConfig", "ValidationConfig", "config_differences",
+    "config_record", "hydra_schema", "rename_overrides",
+]

@@ -1,0 +1,178 @@
+"""How the schema's fields are declared and walked: one `knob()` per field, carrying its doc and
+whether it is operational; choices as `Literal`; and the generic passes every section shares
+(building typed sections from a plain nested dict, checking choices, the config record, the
+flat key list that resume compares and the docs page lists).
+
+A field is *operational* when it changes where or how a run executes, logs or saves, but not
+what it computes (or only by float rounding): a requeued or resized job may change it and still
+resume. Everything else names the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import MISSING, Field, dataclass, field
+from typing import Any, Iterator, Literal, Union
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration or input problem: reported as one line, exit code 2."""
+
+
+def knob(default: Any = MISSING, doc: str = "", *, operational: bool = False, factory: Any = MISSING,
+         refused: dict[str, str] | None = None) -> Any:
+    """A schema field with its documentation. `factory` for mutable defaults; `refused` names
+    values outside the choices that deserve their own explanation (model.dtype=float16)."""
+    meta = {"doc": " ".join(doc.split()), "operational": operational, "refused": refused or {}}
+    if factory is not MISSING:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def section(cls: type) -> type:
+    """A config section: a dataclass whose fields are knobs (or nested sections)."""
+    return dataclass(cls)
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls, include_extras=False)
+
+
+def choices_of(annotation: Any) -> tuple | None:
+    """The allowed values of a Literal annotation (also inside Optional[...] or List[...])."""
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return typing.get_args(annotation)
+    if origin in (Union, types.UnionType, list, tuple):
+        for arg in typing.get_args(annotation):
+            found = choices_of(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def is_section(annotation: Any) -> bool:
+    return isinstance(annotation, type) and dataclasses.is_dataclass(annotation)
+
+
+def walk(obj: Any, prefix: str = "") -> Iterator[tuple[str, Field, Any, Any]]:
+    """(dotted key, field, annotation, value) of every leaf field of a section, nested sections
+    descended into (model.lora.rank)."""
+    hints = _hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if is_section(hints[f.name]):
+            yield from walk(value, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", f, hints[f.name], value
+
+
+def leaf_keys(cls: type, prefix: str = "") -> Iterator[tuple[str, Field, Any]]:
+    """(dotted key, field, annotation) of every leaf field of a section class."""
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        if is_section(hints[f.name]):
+            yield from leaf_keys(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", f, hints[f.name]
+
+
+def operational_keys(cls: type) -> frozenset[str]:
+    return frozenset(key for key, f, _ in leaf_keys(cls) if f.metadata.get("operational"))
+
+
+def check_choices(cfg: Any) -> None:
+    """ConfigError (one line) for the first value outside its Literal's choices."""
+    for key, f, annotation, value in walk(cfg):
+        allowed = choices_of(annotation)
+        if allowed is None or value is None:
+            continue
+        for v in value if isinstance(value, list) else [value]:
+            if v not in allowed:
+                if v in f.metadata.get("refused", {}):
+                    raise ConfigError(f"{key}={v} is not supported: {f.metadata['refused'][v]}")
+                raise ConfigError(f"{key} must be one of {', '.join(map(str, allowed))}; got {v!r}")
+
+
+def _normalise(annotation: Any, value: Any) -> Any:
+    """A string choice in any letter case is the declared one (logging.level=info is INFO); YAML
+    and the command line give a boolean, or OmegaConf the string "True", for a choice written
+    "true" (rollout.enforce_eager)."""
+    allowed = choices_of(annotation)
+    if not allowed or not all(isinstance(a, str) for a in allowed):
+        return value
+    if isinstance(value, list):
+        return [_normalise(annotation, v) for v in value]
+    text = str(value) if isinstance(value, (bool, str)) else None
+    if text is None or text in allowed:
+        return value
+    return next((a for a in allowed if a.lower() == text.lower()), value)
+
+
+def from_dict(cls: type, tree: dict[str, Any], prefix: str = "") -> Any:
+    """A `cls` built from a plain nested dict (a composed Hydra config, a test's overrides),
+    defaults for what is absent; ConfigError naming the first key the schema does not declare."""
+    hints = _hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in tree.items():
+        if key not in names:
+            raise ConfigError(f"unknown config key {prefix}{key} (docs/configuration.md lists every key)")
+        if is_section(hints[key]):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{prefix}{key} is a section of keys, got {value!r}")
+            kwargs[key] = from_dict(hints[key], value, f"{prefix}{key}.")
+        else:
+            kwargs[key] = _normalise(hints[key], value)
+    return cls(**kwargs)
+
+
+def to_record(cfg: Any) -> dict[str, Any]:
+    """The config as plain JSON data (nested dicts), exactly as json.dumps writes it."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+
+
+def flat_record(record: dict[str, Any], cls: type) -> dict[str, Any]:
+    """{"section.key": value} of a config record, nested sections flattened (model.lora.rank);
+    a dict-valued field (task.gym_config) stays one value."""
+    out: dict[str, Any] = {}
+    hints = _hints(cls)
+    for key, value in record.items():
+        annotation = hints.get(key)
+        if annotation is not None and is_section(annotation) and isinstance(value, dict):
+            out.update({f"{key}.{k}": v for k, v in flat_record(value, annotation).items()})
+        else:
+            out[key] = value
+    return out
+
+
+def hydra_schema(cls: type) -> type:
+    """A copy of a section class that OmegaConf accepts (it has no Literal type): every Literal
+    becomes its values' type. Hydra types and checks overrides against it; the recipe then builds
+    the real config with `from_dict`, which checks the choices."""
+    hints = _hints(cls)
+    specs = []
+    for f in dataclasses.fields(cls):
+        annotation = hints[f.name]
+        if is_section(annotation):
+            annotation = hydra_schema(annotation)
+            default = dict(default_factory=annotation)
+        else:
+            annotation = _plain(annotation)
+            default = dict(default=f.default) if f.default is not MISSING else dict(default_factory=f.default_factory)
+        specs.append((f.name, annotation, field(**default)))
+    return dataclasses.make_dataclass(cls.__name__, specs)
+
+
+def _plain(annotation: Any) -> Any:
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return type(typing.get_args(annotation)[0])
+    if origin in (Union, types.UnionType):
+        return typing.Optional[_plain(next(a for a in typing.get_args(annotation) if a is not type(None)))]
+    if origin is list:
+        return typing.List[_plain(typing.get_args(annotation)[0])]
+    return annotation

@@ -1,0 +1,104 @@
+"""The whole run's schema: its sections, the one validation pass, and the one config record.
+
+The Hydra recipe composes a plain nested dict against `hydra_schema(DistflowConfig)` (types and
+unknown keys), `DistflowConfig.from_dict` builds the typed sections, and `validate()` runs
+every check that needs no model, data or process group, so every rank stops alike, before
+anything loads. Library code only ever sees these objects, never Hydra.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from distflow.config.algorithm import AlgorithmConfig
+from distflow.config.fields import (
+    ConfigError,
+    check_choices,
+    flat_record,
+    from_dict,
+    knob,
+    operational_keys,
+    section,
+    to_record,
+)
+from distflow.config.model import CriticConfig, LoraConfig, ModelConfig, OptimConfig
+from distflow.config.rollout import DataConfig, RolloutConfig, TaskConfig
+from distflow.config.run import CheckpointConfig, LoggingConfig, RunConfig, ValidationConfig
+
+__all__ = ["DistflowConfig", "config_record", "config_differences", "LoraConfig"]
+
+
+@section
+class DistflowConfig:
+    model: ModelConfig = knob(factory=ModelConfig)
+    rollout: RolloutConfig = knob(factory=RolloutConfig)
+    algorithm: AlgorithmConfig = knob(factory=AlgorithmConfig)
+    optim: OptimConfig = knob(factory=OptimConfig)
+    critic: CriticConfig = knob(factory=CriticConfig)
+    data: DataConfig = knob(factory=DataConfig)
+    task: TaskConfig = knob(factory=TaskConfig)
+    run: RunConfig = knob(factory=RunConfig)
+    checkpoint: CheckpointConfig = knob(factory=CheckpointConfig)
+    validation: ValidationConfig = knob(factory=ValidationConfig)
+    logging: LoggingConfig = knob(factory=LoggingConfig)
+
+    @classmethod
+    def from_dict(cls, tree: dict[str, Any]) -> "DistflowConfig":
+        """The config a plain nested dict describes (defaults for what it leaves out)."""
+        return from_dict(cls, tree)
+
+    @property
+    def has_critic(self) -> bool:
+        """PPO's value model exists exactly when the estimator needs values."""
+        return self.algorithm.needs_critic
+
+    def validate(self) -> "DistflowConfig":
+        """Every config-only check, in one pass: choices, each section's own ranges, then the rules
+        across sections. ConfigError (one line) on the first that fails."""
+        check_choices(self)
+        sections = [getattr(self, f.name) for f in fields(self) if f.name != "critic" or self.has_critic]
+        for ok, msg in [check for part in sections for check in part.checks()] + _across_sections(self):
+            if not ok:
+                raise ConfigError(msg)
+        return self
+
+
+def _across_sections(cfg: DistflowConfig) -> list[tuple[bool, str]]:
+    """The rules that tie one section's keys to another's."""
+    r, a, lora, budget = cfg.rollout, cfg.algorithm, cfg.model.lora, cfg.rollout.response_budget()
+    seqs = cfg.data.prompts_per_rank * a.group_size
+    return [
+        (r.max_turns == 1 or bool(cfg.task.env),
+         f"rollout.max_turns={r.max_turns} needs an environment to answer the turns: set task.env"),
+        (a.overlong_buffer_len < budget,
+         f"algorithm.overlong_buffer_len={a.overlong_buffer_len} must be < the response length limit {budget} "
+         "(rollout.max_new_tokens; multi-turn: rollout.max_total_tokens)"),
+        (cfg.optim.mini_batches < 1 or seqs % cfg.optim.mini_batches == 0,
+         f"{seqs} sequences per rank do not split into optim.mini_batches={cfg.optim.mini_batches}"),
+        (not lora.enabled or lora.resync != "adapter" or r.engine == "vllm",
+         "model.lora.resync=adapter needs rollout.engine=vllm (vLLM's LoRA support); use resync=merged"),
+        (not lora.enabled or lora.resync != "adapter" or r.tensor_parallel_size == 1,
+         "model.lora.resync=adapter with rollout.tensor_parallel_size > 1 is not supported; use resync=merged"),
+        (not cfg.validation.wanted or cfg.task.has_heldout,
+         "validation needs a held-out split: set task.heldout_size" if cfg.task.name == "reasoning_gym"
+         else "validation needs a held-out split: set task.heldout_path"),
+    ]
+
+
+def config_record(cfg: DistflowConfig) -> dict[str, Any]:
+    """The resolved config as JSON data: config.json, the checkpoint marker and W&B all store this."""
+    return to_record(cfg)
+
+
+OPERATIONAL = operational_keys(DistflowConfig)
+
+
+def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """'key: saved -> current' for every key that names the run (is not operational) and differs.
+    A key newer than the saved run counts as saved at its default."""
+    a = {**flat_record(config_record(DistflowConfig()), DistflowConfig), **flat_record(saved, DistflowConfig)}
+    b = flat_record(current, DistflowConfig)
+    missing = "(unset)"
+    return [f"{k}: {a.get(k, missing)!r} -> {b.get(k, missing)!r}" for k in sorted((a.keys() | b.keys()) - OPERATIONAL)
+            if a.get(k, missing) != b.get(k, missing)]

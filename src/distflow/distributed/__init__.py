@@ -1,0 +1,19 @@
+"""Where and how the ranks run: the process group and distflow's few collectives, the device a
+rank trains on, the parallel layout (FSDP shard degree, engine tensor-parallel groups), and the
+host-memory setting of the process."""
+
+from distflow.distributed.collectives import (
+                                              DistInfo,
+                                              all_reduce,
+                                              barrier,
+                                              broadcast_object,
+                                              init_distributed,
+                                              on_local_rank0_first,
+                                              rank_and_world,
+                                              shutdown,
+                                              waited_s,
+                                              waiting,
+)
+
+__all__ = ["DistInfo", "all_reduce", "barrier", "broadcast_object", "init_distributed", "on_local_rank0_first",
+           "rank_and_world", "shutdown", "waited_s", "waiting"]

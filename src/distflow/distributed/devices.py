@@ -1,0 +1,167 @@
+"""Which device a rank trains on, decided before anything loads, and the defaults that follow from it.
+
+A job must never train on the wrong device without saying so. vLLM's CUDA build picks CUDA
+whenever NVML sees a GPU, while a torch that cannot use CUDA (a CPU build, or a CUDA build the
+driver is too old for) would fall back to gloo on the CPU: with `rollout=hf` a GPU job would
+then train on CPU and report nothing. So `run.device=auto` looks for signs that GPUs are
+meant to be used (CUDA_VISIBLE_DEVICES, SLURM's GPU variables, the driver's device count) and,
+when torch has no usable CUDA, stops every rank with one line naming the sign and the torch
+build. `run.device=cpu` is the explicit way to train on the CPU of a GPU machine.
+
+"auto" settings resolved for the device the rank runs on (`resolve_auto`):
+  model.dtype          bfloat16 on CUDA, float32 on CPU (no fast bf16 kernels there). float16 is
+                       refused by the config: training in it needs a gradient scaler that works on
+                       FSDP2's sharded gradients (torch's ShardedGradScaler), which distflow lacks.
+  rollout.enforce_eager  false on CUDA (CUDA graphs: level-2 sleep keeps the engine's memory at the
+                       same addresses and the resync writes the weights in place, so captured graphs
+                       stay valid); true on CPU, where vLLM captures no graphs.
+  model.shard_ranks    null: -1 (all ranks, plain FSDP) for a model you name; 1 (full replicas) for
+                       the built-in small models, whose fp32 weights, gradients and AdamW state fit on
+                       every rank (recipes/model/smollm2_135m.yaml says what that saves).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from distflow.config import BUILTIN_MODELS, ConfigError, DistflowConfig, ModelConfig
+
+# SLURM sets these for a job or step with GPUs: counts ("8", "h100:8") or lists of indices ("0,1").
+SLURM_GPU_COUNTS = ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE", "SLURM_GPUS_PER_TASK", "SLURM_GPUS")
+SLURM_GPU_LISTS = ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS")
+HIDDEN = ("", "-1", "none", "nodevfiles")  # CUDA_VISIBLE_DEVICES values that show no GPU
+
+
+@dataclass(frozen=True)
+class CudaState:
+    """What torch can do with CUDA on this machine, and what the driver sees."""
+
+    torch_version: str
+    cuda_build: str | None  # torch.version.cuda: None for a CPU-only build
+    available: bool  # torch.cuda.is_available()
+    count: int  # devices torch can use
+    driver_gpus: int  # devices the NVIDIA driver reports, whatever torch thinks
+
+    @classmethod
+    def probe(cls) -> "CudaState":
+        available = torch.cuda.is_available()
+        return cls(torch.__version__, torch.version.cuda, available,
+                   torch.cuda.device_count() if available else 0, driver_gpu_count())
+
+    @property
+    def usable(self) -> bool:
+        return self.available and self.count > 0
+
+    def why_unusable(self) -> str:
+        if self.cuda_build is None:
+            return f"torch {self.torch_version} is a CPU-only build"
+        return (f"torch {self.torch_version} (CUDA {self.cuda_build}) cannot use them: torch.cuda.is_available() "
+                f"is False (an NVIDIA driver older than CUDA {self.cuda_build} needs, or no device visible)")
+
+
+def driver_gpu_count() -> int:
+    """GPUs NVML reports (what vLLM asks when it picks CUDA), through the driver's own library, so
+    no binding needs to be installed; 0 without an NVIDIA driver."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return 0
+    if nvml.nvmlInit_v2() != 0:
+        return 0
+    count = ctypes.c_uint(0)
+    ok = nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 0
+    nvml.nvmlShutdown()
+    return count.value if ok else 0
+
+
+def _slurm_count(value: str) -> int:
+    total = 0
+    for part in value.split(","):
+        count = part.rsplit(":", 1)[-1].split("(")[0].strip()  # "h100:4", "4", "4(IDX:0-3)"
+        total += int(count) if count.isdigit() else 0
+    return total
+
+
+def gpu_signs(env: Mapping[str, str], driver_gpus: int) -> list[str]:
+    """Evidence that this process is meant to use GPUs, each as it would be reported."""
+    signs = []
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip().lower() not in HIDDEN:
+        signs.append(f"CUDA_VISIBLE_DEVICES={visible}")
+    for name in SLURM_GPU_COUNTS:
+        if _slurm_count(env.get(name, "")) > 0:
+            signs.append(f"{name}={env[name]}")
+    for name in SLURM_GPU_LISTS:
+        if env.get(name, "").strip().lower() not in HIDDEN:
+            signs.append(f"{name}={env[name]}")
+    if driver_gpus > 0:
+        signs.append(f"the NVIDIA driver reports {driver_gpus} GPU(s)")
+    return signs
+
+
+def choose_device(requested: str, cuda: CudaState, env: Mapping[str, str], local_rank: int = 0,
+                  local_world: int = 1) -> str:
+    """"cuda" or "cpu" for run.device=`requested`; ConfigError (one line, every rank alike) when
+    GPUs are wanted or visible and torch cannot use them, or this node has fewer GPUs than ranks."""
+    if requested == "cpu":
+        return "cpu"
+    if not cuda.usable:
+        if requested == "cuda":
+            raise ConfigError(f"run.device=cuda but {cuda.why_unusable()}; install with `make install-gpu`")
+        signs = gpu_signs(env, cuda.driver_gpus)
+        if not signs:
+            return "cpu"
+        raise ConfigError(f"GPUs are visible or allocated ({', '.join(signs)}) but {cuda.why_unusable()}; "
+                          "use the CUDA install (`make install-gpu`, .venv-gpu), or set run.device=cpu "
+                          "to train on the CPU on purpose")
+    if local_rank >= cuda.count:
+        raise ConfigError(f"{local_world} ranks on this node but torch sees {cuda.count} GPU(s) "
+                          f"(LOCAL_RANK={local_rank} has none); start at most {cuda.count} ranks per node")
+    return "cuda"
+
+
+def choose_backend(requested: str, device: str) -> str:
+    """run.backend for the device a rank trains on (the config checked the value itself)."""
+    if requested == "auto":
+        return "nccl" if device == "cuda" else "gloo"
+    if requested == "nccl" and device != "cuda":
+        raise ConfigError("run.backend=nccl needs CUDA, but this rank trains on the CPU (use gloo or auto)")
+    return requested
+
+
+def _type(device: torch.device | str) -> str:
+    return torch.device(device).type
+
+
+def torch_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    """model.dtype as a torch dtype; "auto" = bfloat16 on CUDA, float32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if _type(device) == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def enforce_eager(value: str | bool, device: torch.device | str) -> bool:
+    """rollout.enforce_eager as a bool; "auto" = CUDA graphs on CUDA, eager on CPU."""
+    text = str(value).lower()
+    return _type(device) != "cuda" if text == "auto" else text == "true"
+
+
+def shard_ranks(model: ModelConfig) -> int:
+    """model.shard_ranks with null resolved: 1 for the built-in small models, -1 for yours."""
+    if model.shard_ranks is None:
+        return 1 if model.path in BUILTIN_MODELS else -1
+    return model.shard_ranks
+
+
+def resolve_auto(cfg: DistflowConfig, device: torch.device | str) -> DistflowConfig:
+    """A copy of `cfg` with every "auto" above made concrete for `device` (what config.json records)."""
+    dtype = str(torch_dtype(cfg.model.dtype, device)).removeprefix("torch.")
+    model = dataclasses.replace(cfg.model, dtype=dtype, shard_ranks=shard_ranks(cfg.model))
+    eager = str(enforce_eager(cfg.rollout.enforce_eager, device)).lower()
+    rollout = dataclasses.replace(cfg.rollout, enforce_eager=eager)
+    return dataclasses.replace(cfg, model=model, rollout=rollout)

@@ -1,0 +1,273 @@
+"""The python tool: runs policy-written code in a separate, limited interpreter (its own session,
+rlimits, a temporary working folder, no network where the kernel allows a network namespace),
+killed with its whole process group at the timeout, its output read bounded."""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import math
+import os
+import resource
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable, Optional
+
+from distflow.config import ConfigError
+from distflow.envs.tools import ToolResult, check_output_limit, cut_text, error_result, string_argument
+
+CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
+FILE_SIZE_LIMIT = 16 << 20  # bytes any one file the code writes may reach (RLIMIT_FSIZE)
+# Processes (and threads) the code may run, set only inside its own user namespace: there the kernel counts
+# the namespace's processes alone; outside it, RLIMIT_NPROC counts all of the user's processes, the worker's too.
+# The kernel does not apply it to root.
+PROCESS_LIMIT = 64
+MAX_CODE_BYTES = 100_000  # one argv string may be at most 128 KiB (MAX_ARG_STRLEN)
+_READ_CHUNK = 1 << 16
+
+# Runs in the sandboxed interpreter before the user code: argv = [code, the worker's network namespace inode].
+# A different namespace means unshare(CLONE_NEWNET) worked; otherwise an audit hook (which cannot be removed,
+# and sees C-level calls, so it covers _socket too) refuses sockets and starting programs.
+_BOOTSTRAP = r"""
+import os, sys
+code, worker_netns = sys.argv[1], sys.argv[2]
+sys.argv = ["<code>"]
+try:
+    isolated = str(os.stat("/proc/self/ns/net").st_ino) != worker_netns
+except OSError:
+    isolated = False
+if not isolated:
+    import _socket
+    try:
+        import _posixsubprocess
+    except ImportError:
+        _posixsubprocess = None
+    _spawn = {"subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.startfile", "pty.spawn"}
+    _symbols = {"socket", "connect", "bind", "sendto", "sendmsg", "socketcall", "syscall", "getaddrinfo", "system",
+                "popen", "posix_spawn", "posix_spawnp", "execve", "execv", "execvp", "execvpe", "execl", "execlp",
+                "execle", "fexecve"}
+    def _sandbox_hook(event, args, _unix=_socket.AF_UNIX):
+        if event.startswith("socket."):
+            if event == "socket.gethostname" or (event == "socket.__new__" and args[1] == _unix):
+                return  # socketpair() (asyncio's self-pipe); connect/bind/sendto stay refused
+            raise OSError("network is disabled in the sandbox")
+        if event in _spawn:
+            raise OSError("starting programs is disabled in the sandbox (no network isolation here)")
+        if event == "ctypes.dlsym" and args[1] in _symbols:
+            raise OSError(f"{args[1]} is disabled in the sandbox")
+    def _refused(*args, **kwargs):
+        raise OSError("starting programs is disabled in the sandbox (no network isolation here)")
+    if _posixsubprocess is not None:
+        _posixsubprocess.fork_exec = _refused
+    sys.addaudithook(_sandbox_hook)
+sys.stdout.reconfigure(encoding="utf-8", errors="backslashreplace", line_buffering=True)
+sys.stderr.reconfigure(encoding="utf-8", errors="backslashreplace")
+import linecache, traceback, types
+linecache.cache["<code>"] = (len(code), None, code.splitlines(True), "<code>")
+main = types.ModuleType("__main__")
+sys.modules["__main__"] = main
+try:
+    exec(compile(code, "<code>", "exec"), main.__dict__)
+except SystemExit:
+    raise
+except BaseException as e:
+    sys.stdout.flush()
+    tb = e.__traceback__
+    traceback.print_exception(type(e), e, tb.tb_next if tb is not None else None)
+    sys.exit(1)
+"""
+
+
+def _unshare() -> Optional[Callable[[int], int]]:
+    """libc's unshare(2), resolved in the worker so the forked child only calls it; None without one."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).unshare
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def _netns_inode() -> str:
+    try:
+        return str(os.stat("/proc/self/ns/net").st_ino)
+    except OSError:
+        return ""
+
+
+def _limit(kind: int, soft: int, hard: Optional[int] = None) -> tuple[int, int]:
+    """(soft, hard) for setrlimit (hard defaults to soft), capped by the worker's own hard limit (a child's cannot
+    exceed it)."""
+    cap = resource.getrlimit(kind)[1]
+    hard = soft if hard is None else hard
+    return (soft, hard) if cap == resource.RLIM_INFINITY else (min(soft, cap), min(hard, cap))
+
+
+def _exited(pid: int) -> bool:
+    """Whether the child has exited, without reaping it: its pid, hence the process group id, stays reserved."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class _Head:
+    """The first `limit` chars of a UTF-8 stream plus the count of the rest, in bounded memory."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.kept, self.total = limit, 0, 0
+        self.pieces: list[str] = []
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def add(self, data: bytes, final: bool = False) -> None:
+        text = self.decoder.decode(data, final)
+        self.total += len(text)
+        if self.kept < self.limit and text:
+            piece = text[: self.limit - self.kept]
+            self.pieces.append(piece)
+            self.kept += len(piece)
+
+    def text(self) -> str:
+        self.add(b"", final=True)
+        return cut_text("".join(self.pieces), self.total, self.limit)
+
+
+class PythonExecutor:
+    """Run a Python program in a fresh, limited subprocess and return what it printed (stdout + stderr merged).
+
+    The child runs `python -I` (no user site, no PYTHON* variables) with stdin closed, an empty temporary
+    working directory (removed afterwards), PATH as its only environment variable, its own session (the whole
+    process group is killed at the end, so stray children die too), and rlimits on CPU time, address space,
+    file size and core dumps. The wall-clock timeout kills the group; output beyond max_output_chars is read
+    and counted but not kept, so a print loop cannot exhaust the worker's memory.
+
+    No network, two levels: (1) a real guarantee where the kernel allows unprivileged user namespaces: the
+    child unshare()s a new user + network namespace before exec, so it has only a down loopback device and
+    no route anywhere (also limiting it to PROCESS_LIMIT processes for non-root workers). (2) Otherwise
+    (EPERM, e.g. Docker's default seccomp profile) a best-effort block: an audit hook installed before the
+    user code refuses sockets (except socketpair), name lookups and starting programs; code that can reach
+    raw syscalls (ctypes tricks, /proc/self/mem) could get around it. Neither isolates the filesystem: the
+    code runs with the worker's file permissions, so run workers as an unprivileged user.
+    """
+
+    name = "python"
+    parameters = {
+        "type": "object",
+        "properties": {"code": {"type": "string", "description": "a complete Python program; print what you need"}},
+        "required": ["code"],
+    }
+    _try_netns = True  # False forces the best-effort fallback (for tests of it)
+
+    def __init__(self, timeout_s: float = 5.0, memory_mib: int = 512, max_output_chars: int = 2000) -> None:
+        if not timeout_s > 0:
+            raise ConfigError(f"python tool timeout_s must be > 0, got {timeout_s}")
+        if memory_mib < 32:
+            raise ConfigError(f"python tool memory_mib must be >= 32 (the interpreter needs ~15), got {memory_mib}")
+        check_output_limit(max_output_chars)
+        self.timeout_s, self.memory_mib, self.max_output_chars = timeout_s, memory_mib, max_output_chars
+        self.description = (
+            "Run a Python 3 program in a fresh sandboxed process and get back what it prints (stdout and stderr). "
+            f"No network, no input, {timeout_s:g} s and {memory_mib} MiB at most; the output is cut after "
+            f"{max_output_chars} characters. Nothing persists between calls."
+        )
+        cpu = math.ceil(timeout_s) + 1
+        self._limits = [
+            (resource.RLIMIT_CPU, _limit(resource.RLIMIT_CPU, cpu, cpu + 1)),  # SIGXCPU, then SIGKILL
+            (resource.RLIMIT_AS, _limit(resource.RLIMIT_AS, memory_mib << 20)),
+            (resource.RLIMIT_FSIZE, _limit(resource.RLIMIT_FSIZE, FILE_SIZE_LIMIT)),
+            (resource.RLIMIT_CORE, (0, 0)),
+        ]
+        self._nproc = _limit(resource.RLIMIT_NPROC, PROCESS_LIMIT)
+        self._unshare = _unshare() if self._try_netns else None
+
+    def _preexec(self) -> None:
+        """In the forked child before exec: only pre-computed values and C calls (the worker may have threads)."""
+        isolated = self._unshare is not None and self._unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0
+        for kind, value in self._limits:
+            resource.setrlimit(kind, value)
+        if isolated:
+            resource.setrlimit(resource.RLIMIT_NPROC, self._nproc)
+
+    def __call__(self, arguments: dict) -> ToolResult:
+        code = string_argument(arguments, "code")
+        if isinstance(code, ToolResult):
+            return code
+        if len(code.encode("utf-8", "surrogatepass")) > MAX_CODE_BYTES or "\0" in code:
+            return error_result(f"the code must be at most {MAX_CODE_BYTES} bytes, without NUL characters")
+        with tempfile.TemporaryDirectory(prefix="distflow-python-", ignore_cleanup_errors=True) as cwd:
+            try:
+                proc = subprocess.Popen(
+                    [sys.executable, "-I", "-c", _BOOTSTRAP, code, _netns_inode()],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=cwd,
+                    env={"PATH": os.environ.get("PATH", os.defpath)}, start_new_session=True,
+                    preexec_fn=self._preexec,
+                )
+            except (OSError, ValueError, subprocess.SubprocessError) as e:
+                return error_result(f"could not start the sandbox: {e}")
+            try:
+                output, timed_out = self._collect(proc)
+            finally:
+                _kill_group(proc.pid)  # before reaping, so the group id cannot have been reused
+                proc.wait()
+                proc.stdout.close()  # type: ignore[union-attr]
+        if timed_out:
+            return ToolResult(_with_reason(f"timed out after {self.timeout_s:g}s", output), error=True, timed_out=True)
+        if proc.returncode == 0:
+            return ToolResult(output)
+        return ToolResult(_with_reason(_exit_reason(proc.returncode), output), error=True)
+
+    def _collect(self, proc: subprocess.Popen) -> tuple[str, bool]:
+        """(the output, cut to the limit; whether the deadline passed) once the child has exited and its
+        output is drained, or at the deadline."""
+        deadline = time.monotonic() + self.timeout_s
+        head, fd = _Head(self.max_output_chars), proc.stdout.fileno()  # type: ignore[union-attr]
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        exited = eof = False
+        while not (exited and eof):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return head.text(), True
+            exited = exited or _exited(proc.pid)
+            if eof:  # the child closed its output but still runs
+                time.sleep(min(remaining, 0.01))
+                continue
+            if not poller.poll(0 if exited else max(1, int(min(remaining, 0.05) * 1000))):
+                if exited:
+                    break  # exited and nothing left to read (a straggler may still hold the pipe open)
+                continue
+            chunk = os.read(fd, _READ_CHUNK)
+            if chunk:
+                head.add(chunk)
+            else:
+                eof = True
+        return head.text(), False
+
+
+def _exit_reason(returncode: int) -> str:
+    if returncode > 0:
+        return f"exit code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    hint = {"SIGXCPU": " (CPU time limit)", "SIGXFSZ": " (file size limit)"}.get(name, "")
+    return f"killed by {name}{hint}"
+
+
+def _with_reason(reason: str, output: str) -> str:
+    return f"error: {reason}\n{output}" if output else f"error: {reason}"
+
+
+# ---------------------------------------------------------------------------------------------------------------------

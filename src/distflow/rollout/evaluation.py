@@ -1,0 +1,43 @@
+"""Held-out evaluation: greedy pass@1 and sampled pass@k, sharded over all ranks.
+
+Each rank evaluates items rank, rank + W, ...; only three counts per metric cross ranks.
+A sample passes when its reward reaches PASS_THRESHOLD (the built-in verifiers return 1.0 for
+a correct answer).
+"""
+
+from __future__ import annotations
+
+from distflow.data.prompts import PromptItem
+from distflow.distributed import DistInfo, all_reduce
+from distflow.rewards.pool import RewardPool
+from distflow.rollout.episodes import episode_sums
+from distflow.rollout.scoring import score_groups
+
+PASS_THRESHOLD = 1.0 - 1e-6
+
+
+def evaluate(runner, pool: RewardPool, tokenizer, items: list[PromptItem], dist: DistInfo, k: int = 0,
+             seed: int = 0) -> dict[str, float]:
+    """{"val/pass@1", "val/response_length", "val/items"} (+ "val/pass@k", "val/k" when k > 0; + the
+    greedy episodes' "val/turns" and "val/tool_calls" per item, multi-turn).
+    `runner` rolls out as training does (distflow.rollout.episodes: single turn, or episodes)."""
+    mine = items[dist.rank :: dist.world_size]
+    # every rank calls the engine, also with no items: ranks sharing a tensor-parallel engine call it together
+    greedy = [g[0] for g in runner.run(mine, 1, [0] * len(mine), greedy=True)]
+    rewards, _ = score_groups(pool, tokenizer, mine, greedy, 1)
+    episodes = episode_sums(greedy)  # multi-turn: turns and tool use too (0 for single turns)
+    local = [float((rewards >= PASS_THRESHOLD).sum()), float(len(mine)),
+             float(sum(len(s.response_ids) for s in greedy)), episodes["turns"], episodes["tool_calls"]]
+    if k > 0:
+        seeds = [seed * 7919 + dist.rank * 104729 + i for i in range(len(mine))]
+        sampled = [s for g in runner.run(mine, k, seeds) for s in g]
+        rewards_k, _ = score_groups(pool, tokenizer, mine, sampled, k)
+        local.append(float((rewards_k >= PASS_THRESHOLD).any(dim=1).sum()))
+    total = all_reduce(local).tolist()
+    n = max(total[1], 1.0)
+    out = {"val/pass@1": total[0] / n, "val/response_length": total[2] / n, "val/items": total[1]}
+    if total[3] > 0:
+        out.update({"val/turns": total[3] / n, "val/tool_calls": total[4] / n})
+    if k > 0:
+        out.update({"val/pass@k": total[5] / n, "val/k": float(k)})
+    return out

@@ -1,0 +1,64 @@
+"""Turn generated groups into rewards (decode, build reward calls, run them in the pool), and
+shape them into what the advantage estimator reads."""
+
+from __future__ import annotations
+
+import torch
+
+from distflow.algorithms import overlong_penalty, token_kl
+from distflow.config import AlgorithmConfig
+from distflow.data.prompts import PromptItem
+from distflow.rewards.pool import RewardPool
+from distflow.sample import Sample
+from distflow.train.batch import TokenBatch
+
+REWARD_FAILURES = ("errors", "timeouts", "invalid")
+
+
+def score_groups(pool: RewardPool, tokenizer, items: list[PromptItem], samples: list[Sample],
+                 group_size: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """Rewards as [len(items), group_size] and this batch's failure counts.
+
+    Each call gets (prompt text, completion text, completion ids, item fields); the fields
+    always carry the reference as "answer". A multi-turn episode's completion is the model's
+    final turn (its answer), its ids are every generated token (no observation), and the fields
+    add "transcript" (all turns and observations, as messages); the environment's step rewards
+    are added to what the task's reward gives.
+    """
+    texts = tokenizer.batch_decode([s.response_ids for s in samples if s.episode is None], skip_special_tokens=True)
+    single = iter(texts)
+    calls = []
+    for i, sample in enumerate(samples):
+        item = items[i // group_size]
+        fields = {**item.fields, "answer": item.answer}
+        if sample.episode is None:
+            calls.append((item.prompt_text, next(single), sample.response_ids, fields))
+            continue
+        generated = [t for t, m in zip(sample.response_ids, sample.mask) if m]
+        calls.append((item.prompt_text, sample.episode.final_text, generated,
+                      {**fields, "transcript": sample.episode.transcript}))
+    rewards, stats = pool.score(calls) if calls else ([], {})
+    rewards = [r + (s.episode.env_reward if s.episode else 0.0) for r, s in zip(rewards, samples)]
+    counts = {k: float(stats.get(k, 0)) for k in REWARD_FAILURES}
+    return torch.tensor(rewards, dtype=torch.float32).view(-1, group_size), counts
+
+
+def shape_rewards(rewards: torch.Tensor, tokens: TokenBatch, a: AlgorithmConfig, max_len: int,
+                  old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reward shaping between scoring and the advantage estimator: (scores [N], token rewards [N, R]).
+
+    - DAPO's soft overlong punishment (algorithm.overlong_buffer_len > 0, against max_len: the
+      response length limit) is added to the score.
+    - With algorithm.kl_in_reward, -beta * KL(old || ref) is a reward on every response token
+      (verl's kl_in_reward); sequence-level estimators sum it, GAE uses it per token.
+    """
+    mask = tokens.resp_mask.cpu()
+    scores = rewards.reshape(-1).to(torch.float32).clone()
+    if a.overlong_buffer_len > 0:
+        scores += overlong_penalty(tokens.resp_len.cpu().to(torch.float32), max_len,
+                                   a.overlong_buffer_len, a.overlong_penalty)
+    token_rewards = torch.zeros_like(mask)
+    if a.kl_coef > 0 and a.kl_in_reward and len(tokens):
+        token_rewards = -a.kl_coef * token_kl(old_logprobs.cpu(), ref_logprobs.cpu(), mask, a.kl_estimator)
+    return scores, token_rewards

@@ -1,0 +1,245 @@
+"""Sharded, atomic checkpoints with torch.distributed.checkpoint (DCP), and resume.
+
+Everything a run must restore is registered once with the `Checkpointer`, as a DCP `Stateful`
+(an object with state_dict/load_state_dict) in one of three scopes:
+
+  sharded   DCP shards, written by every rank in parallel (each model with its optimizer)
+  rank      this rank's own state, in `rank_<r>.json` (RNG streams, the data sampler)
+  shared    the same on every rank, in the `COMPLETE` marker rank 0 writes last (LR schedules,
+            the trainer's counters)
+
+Save and load loop over the registry; nothing else names what a checkpoint holds. Layout:
+<output_dir>/checkpoints/step_000012/. A checkpoint is written into a `.tmp` folder and renamed
+only once complete, so a crash mid-save never leaves a folder that looks loadable;
+`latest_checkpoint` also skips (with a warning) any folder without the marker. The marker
+certifies the checkpoint: its FORMAT, step, world size, the size of every file, the run's config
+record and the model it trains (the metric history stays in metrics.jsonl). A checkpoint of
+another format is refused with a message that says so.
+
+A checkpoint written by N ranks loads on M: DCP reshards the sharded states, and a rank that
+did not exist gets rank 0's rank-scoped state, or what the object's `state_for_new_rank`
+derives from it (RNGState derives fresh streams from the run seed, the step and the rank).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+from distflow.config import ConfigError
+from distflow.distributed import barrier, rank_and_world
+
+log = logging.getLogger("distflow")
+
+MARKER = "COMPLETE"
+FORMAT = 3  # 1: the first layout (policy under "app"); 2: the registry; 3: sectioned config, no history
+SCOPES = ("sharded", "rank", "shared")
+POLICY = "policy"  # the policy's name in the registry: DCP keys start with it (distflow.run.export reads them)
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class ModelOptimState(Stateful):
+    """An FSDP2 model and its optimizer (None for a frozen model) as one sharded DCP state.
+    trainable_only: the model's frozen parameters are left out (a LoRA policy's base, which
+    model.path already holds): the checkpoint is the adapters and their optimizer."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, trainable_only: bool = False):
+        self.model, self.optimizer = model, optimizer
+        self.options = StateDictOptions(strict=not trainable_only)
+        # every name of a frozen parameter, a tied weight's second one (lm_head.weight) included,
+        # which torch's own ignore_frozen_params would keep
+        self.frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad} \
+            if trainable_only else set()
+
+    def state_dict(self) -> dict[str, Any]:
+        optims = [self.optimizer] if self.optimizer is not None else []
+        model_sd, optim_sd = get_state_dict(self.model, optims, options=self.options)
+        model_sd = {k: v for k, v in model_sd.items() if k not in self.frozen}
+        return {"model": model_sd, "optim": optim_sd} if optims else {"model": model_sd}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # DCP loads into the shape state_dict() gave, so every key it names was in the checkpoint
+        optims = [self.optimizer] if self.optimizer is not None else []
+        set_state_dict(self.model, optims, model_state_dict=state["model"],
+                       optim_state_dict=state.get("optim", {}), options=self.options)
+
+
+class RNGState(Stateful):
+    """Every RNG that can affect the run (torch's CPU generator and, on CUDA, the rank's device
+    generator; python; numpy), as JSON-safe data. A checkpoint written on CPU restores no CUDA
+    state; one written on CUDA restores it only on a CUDA rank."""
+
+    def __init__(self, device: torch.device | str = "cpu", seed: int = 0):
+        self.device, self.seed = torch.device(device), seed
+
+    def state_dict(self) -> dict[str, Any]:
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return _rng_json(torch.get_rng_state(), random.getstate(), np.random.get_state(), cuda)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+        if self.device.type == "cuda" and "cuda" in state:
+            torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8), self.device)
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+    def state_for_new_rank(self, rank0_state: dict[str, Any], rank: int, step: int) -> dict[str, Any]:
+        """Streams for a rank the saving run did not have: seeded from (run seed, step, rank), so
+        a resized resume is reproducible. Another rank's streams are never copied (two ranks
+        would draw the same numbers)."""
+        derived = (self.seed * 1_000_003 + step) * 1_009 + rank
+        cuda = torch.Generator(self.device).manual_seed(derived).get_state() if self.device.type == "cuda" else None
+        return _rng_json(torch.Generator().manual_seed(derived).get_state(), random.Random(derived).getstate(),
+                         np.random.RandomState(derived % 2**32).get_state(), cuda)
+
+
+def _rng_json(torch_state: torch.Tensor, python_state: tuple, numpy_state: tuple,
+              cuda_state: torch.Tensor | None) -> dict[str, Any]:
+    """RNG states as the JSON data rank_<r>.json holds."""
+    name, keys, pos, has_gauss, cached = numpy_state
+    state = {"torch": torch_state.tolist(), "python": [python_state[0], list(python_state[1]), python_state[2]],
+             "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+    if cuda_state is not None:
+        state["cuda"] = cuda_state.tolist()
+    return state
+
+
+def _step_of(path: Path) -> int | None:
+    m = _STEP_DIR.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The newest complete checkpoint in the checkpoints folder `root`, warning about torn ones."""
+    if not root.is_dir():
+        return None
+    best: tuple[int, Path] | None = None
+    for path in root.iterdir():
+        step = _step_of(path)
+        if step is None:
+            continue
+        if not is_complete(path):
+            log.warning("skipping incomplete checkpoint %s (no %s marker or missing files)", path, MARKER)
+            continue
+        if best is None or step > best[0]:
+            best = (step, path)
+    return best[1] if best else None
+
+
+def is_complete(path: Path) -> bool:
+    marker = path / MARKER
+    if not marker.is_file():
+        return False
+    try:
+        info = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    # a truncated or missing shard is as bad as a missing marker
+    return all((path / name).is_file() and (path / name).stat().st_size == size
+               for name, size in info.get("files", {}).items())
+
+
+class Checkpointer:
+    def __init__(self, root: Path, keep_last: int, rank: int):
+        self.root = Path(root)
+        self.keep_last = max(1, keep_last)
+        self.rank = rank
+        self.registry: dict[str, tuple[str, Stateful]] = {}
+        self.before_marker: Callable[[int], None] | None = None  # test-only (distflow.run.faults.save_fault)
+
+    def register(self, name: str, state: Stateful, scope: str) -> None:
+        """Add `state` to every later save and load, under `name`."""
+        if scope not in SCOPES:
+            raise ValueError(f"unknown checkpoint scope {scope!r}; choose from {SCOPES}")
+        if name in self.registry:
+            raise ValueError(f"checkpoint state {name!r} is registered twice")
+        self.registry[name] = (scope, state)
+
+    def _scope(self, scope: str) -> dict[str, Stateful]:
+        return {name: state for name, (s, state) in self.registry.items() if s == scope}
+
+    def save(self, step: int, config: dict, model_path: str) -> Path:
+        """Collective: every rank calls it. `config` (the run's config record) and `model_path` (the
+        resolved base model, which export loads) go in the marker, identical on every rank."""
+        final = self.root / f"step_{step:06d}"
+        tmp = self.root / f"step_{step:06d}.tmp"
+        if self.rank == 0:
+            for torn in self.root.glob("step_*.tmp"):  # saves cut short earlier (no save runs beside this one)
+                shutil.rmtree(torn, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier()
+        sharded = self._scope("sharded")
+        if sharded:
+            dcp.save(sharded, checkpoint_id=str(tmp))
+        rank_state = {name: s.state_dict() for name, s in self._scope("rank").items()}
+        (tmp / f"rank_{self.rank}.json").write_text(json.dumps(rank_state))
+        shared = {name: s.state_dict() for name, s in self._scope("shared").items()}
+        barrier()
+        if self.before_marker is not None:
+            self.before_marker(step)
+        if self.rank == 0:
+            files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
+            (tmp / MARKER).write_text(json.dumps({"format": FORMAT, "step": step, "world_size": rank_and_world()[1],
+                                                  "files": files, "config": config, "model_path": model_path,
+                                                  "state": shared}))
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            self._prune()
+        barrier()
+        return final
+
+    def _prune(self) -> None:
+        complete = sorted((p for p in self.root.iterdir() if _step_of(p) is not None and is_complete(p)), key=_step_of)
+        for old in complete[: -self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def load(self, path: Path) -> dict:
+        """Collective: restore every registered state from `path`; returns its marker."""
+        marker = read_marker(path)
+        rank_file = path / f"rank_{self.rank}.json"
+        new_rank = not rank_file.is_file()
+        if new_rank and not (path / "rank_0.json").is_file():
+            raise ConfigError(f"checkpoint {path} holds no per-rank state (no rank_0.json)")
+        rank_state = json.loads((path / "rank_0.json" if new_rank else rank_file).read_text())
+        missing = [n for n in self._scope("shared") if n not in marker["state"]]
+        missing += [n for n in self._scope("rank") if n not in rank_state]
+        if missing:
+            raise ConfigError(f"checkpoint {path} holds no state for {', '.join(missing)} (a run with another "
+                              "algorithm or model setup wrote it)")
+        sharded = self._scope("sharded")
+        if sharded:
+            dcp.load(sharded, checkpoint_id=str(path))  # reshards to this world size
+        for name, state in self._scope("rank").items():
+            saved = rank_state[name]
+            if new_rank and hasattr(state, "state_for_new_rank"):
+                saved = state.state_for_new_rank(saved, self.rank, marker["step"])
+            state.load_state_dict(saved)
+        for name, state in self._scope("shared").items():
+            state.load_state_dict(marker["state"][name])
+        return marker
+
+
+def read_marker(path: Path) -> dict:
+    """The marker of a complete checkpoint of this format; ConfigError otherwise."""
+    if not is_complete(path):
+        raise ConfigError(f"checkpoint {path} is incomplete (no {MARKER} marker or a truncated file)")
+    marker = json.loads((path / MARKER).read_text())
+    if marker.get("format", 1) != FORMAT:
+        raise ConfigError(f"checkpoint {path} has format {marker.get('format', 1)}, this distflow reads format "
+                          f"{FORMAT}; resume it with the distflow that wrote it, or start fresh with "
+                          "checkpoint.resume=never (or another run.output_dir)")
+    return marker

@@ -1,0 +1,57 @@
+"""Test-only fault injection (run.fault_inject): how the tests make a rank die, raise, lag
+behind the others or produce NaN losses at a chosen step of a real run, or die in the middle of a
+checkpoint write."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Callable
+
+import torch
+
+from distflow.train.batch import UpdateBatch
+
+
+def _hit(spec: str, rank: int, step: int) -> str | None:
+    """The fault's mode if `spec` names this rank and step (first attempt only), else None."""
+    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return None
+    f_rank, f_step, *mode = spec.split(":")
+    hit = step >= int(f_step[:-1]) if f_step.endswith("+") else step == int(f_step)
+    return (mode or ["kill"])[0] if int(f_rank) == rank and hit else None
+
+
+def inject_fault(spec: str, rank: int, step: int, batch: UpdateBatch) -> UpdateBatch:
+    """Test-only: run.fault_inject="RANK:STEP[:kill|raise|nan|kill_saving|sleep=S]" fails that
+    rank during that step ("STEP+" = that step and every later one), on the first attempt only
+    (torchrun restarts set TORCHELASTIC_RESTART_COUNT). `nan` poisons the rank's advantages, so
+    its loss is NaN; `sleep=S` makes the rank S seconds slower before its update (a straggler the
+    others wait for); `kill_saving` is `save_fault`'s."""
+    mode = _hit(spec, rank, step)
+    if mode in (None, "kill_saving"):
+        return batch
+    if mode.startswith("sleep="):
+        time.sleep(float(mode.removeprefix("sleep=")))
+        return batch
+    if mode == "nan":
+        return batch.with_(advantages=torch.full_like(batch.advantages, float("nan")))
+    if mode == "raise":
+        raise RuntimeError(f"injected fault on rank {rank} at step {step}")
+    os.kill(os.getpid(), signal.SIGKILL)
+    return batch
+
+
+def save_fault(spec: str, rank: int) -> Callable[[int], None] | None:
+    """The Checkpointer hook for "RANK:STEP:kill_saving": that rank dies by SIGKILL once every
+    rank has written its shards of STEP's checkpoint and before the marker makes it complete,
+    as when a grace period runs out mid-save."""
+    if not spec.endswith(":kill_saving"):
+        return None
+
+    def hook(step: int) -> None:
+        if _hit(spec, rank, step) == "kill_saving":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook

@@ -1,0 +1,162 @@
+"""The run's one output channel: the "distflow" logger, set up once per rank before anything logs.
+
+  console   (stdout) rank 0 shows distflow's messages (INFO and up) and third-party records at or above
+            `logging.level` (default WARNING); other ranks show only errors, so a message
+            appears once, not once per rank. Warnings that third-party libraries print on every
+            engine call or resync although nothing is wrong (EXPECTED) are shown once, with a
+            note, and then only written to the file. Python's FutureWarnings and the like are
+            shown only with log_level INFO or DEBUG.
+  file      <output_dir>/logs/rank_<r>.log on every rank: everything, every time, all loggers.
+
+Library code logs through `logging.getLogger("distflow")` and never asks which rank it is on.
+Progress bars of loaders are turned off; the training bar (distflow.run.loggers) is written
+around, never through.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from distflow.config import DistflowConfig
+
+LOG = logging.getLogger("distflow")
+
+# (logger name prefix, message fragment): emitted by third-party code on every resync or engine
+# call during a healthy run. vLLM's in-place reload skips parameters that have no weights in the
+# stream (the rotary cache; the LM head, tied to the embedding and re-packed by distflow).
+EXPECTED = (
+    ("vllm", "Failed to load weights"),
+    ("vllm", "doesn't allow to use `torch.set_num_threads`"),
+    ("vllm", "is not found in LD_PRELOAD"),
+    ("vllm", "The global random seed is set"),
+    ("torch", "Triton not available"),
+)
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def quiet_third_party_env() -> None:
+    """Environment that must be set before vLLM, datasets or torch's C++ side start logging."""
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # vLLM's records propagate to our handlers
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
+class _ConsoleFilter(logging.Filter):
+    def __init__(self, is_main: bool, third_party_level: int):
+        super().__init__()
+        self.is_main, self.level = is_main, third_party_level
+        self.noted: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.is_main:
+            return record.levelno >= logging.ERROR
+        if record.name == "distflow" or record.name.startswith("distflow."):
+            return record.levelno >= logging.INFO
+        if record.name == "py.warnings":
+            return self.level <= logging.INFO
+        if record.levelno < self.level:
+            return False
+        message = record.getMessage()
+        for prefix, fragment in EXPECTED:
+            if record.name.startswith(prefix) and fragment in message:
+                if self.level <= logging.INFO:
+                    return True
+                if fragment in self.noted:
+                    return False
+                self.noted.add(fragment)
+                record.msg, record.args = f"{message} (expected; repeats go to logs/rank_*.log only)", None
+        return True
+
+
+class _ConsoleHandler(logging.Handler):
+    """Writes to the current sys.stdout, around a live tqdm bar instead of through it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(self.format(record), file=sys.stdout)
+        except Exception:  # noqa: BLE001 - logging must never raise
+            self.handleError(record)
+
+
+class _Formatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        ours = record.name == "distflow" or record.name.startswith("distflow.")
+        if ours and record.levelno == logging.INFO:
+            return f"distflow: {record.getMessage()}"
+        if ours:
+            return f"distflow: {record.levelname.lower()}: {record.getMessage()}"
+        return f"[{record.name}] {record.levelname}: {record.getMessage()}"
+
+
+def reset_output() -> None:
+    """Remove the handlers setup_output installed (a second run in one process, tests)."""
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if getattr(h, "_distflow", False):
+            root.removeHandler(h)
+            h.close()
+
+
+def setup_output(log_file: Path, rank: int, log_level: str = "WARNING") -> logging.Logger:
+    """Route every logger of this process to the console (filtered) and the rank's log file."""
+    quiet_third_party_env()
+    level = getattr(logging, log_level.upper())
+    root = logging.getLogger()
+    reset_output()
+    root.setLevel(min(level, logging.INFO))
+    console = _ConsoleHandler()
+    console.addFilter(_ConsoleFilter(rank == 0, level))
+    console.setFormatter(_Formatter())
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    file = logging.FileHandler(log_file, encoding="utf-8")
+    file.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
+    for h in (console, file):
+        h._distflow = True  # type: ignore[attr-defined]
+        root.addHandler(h)
+    for logger in logging.root.manager.loggerDict.values():  # Hydra's logging config disables existing loggers
+        if isinstance(logger, logging.Logger):
+            logger.disabled = False
+    LOG.setLevel(logging.DEBUG)  # the console shows INFO and up; the rank's file keeps everything
+    LOG.propagate = True
+    logging.captureWarnings(True)
+    for name in ("vllm", "torch"):  # loggers that may carry their own handlers: ours only
+        lib = logging.getLogger(name)
+        lib.handlers.clear()
+        lib.propagate = True
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.disable_default_handler()  # its records reach our handlers instead
+        hf_logging.enable_propagation()
+    except ImportError:  # pragma: no cover
+        pass
+    return LOG
+
+
+def save_config(cfg: DistflowConfig, path: Path, write: bool) -> None:
+    """Every rank must run the same config (a stray override on one node would silently
+    diverge the SPMD program): compare a hash of the config record across ranks; one rank
+    writes it to `path` (config.json)."""
+    from distflow.config import ConfigError, config_record
+    from distflow.distributed import all_reduce
+
+    text = json.dumps(config_record(cfg), sort_keys=True)
+    digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:6], "little")  # exact in float64
+    low, high = all_reduce(digest, "min"), all_reduce(digest, "max")
+    if int(low) != int(high):
+        raise ConfigError(f"the resolved config differs between ranks (hashes {int(low):x} vs {int(high):x}); "
+                          "launch every rank with the same overrides")
+    if write:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")

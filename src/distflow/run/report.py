@@ -1,0 +1,180 @@
+"""From a step's typed records to its metric keys: what the run reports, decided in one place.
+
+The phases return records of per-rank sums (`RolloutStats`, `UpdateResult`); `step_report`
+reduces them over ranks in two all_reduces (sums; maxima with minima folded in) and turns
+them into the metric keys this run has (KL keys only with KL on, value keys only with a
+critic, ...). The trainer never names a metric key.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import fields
+
+import torch
+
+from distflow.config import DistflowConfig
+from distflow.distributed import rank_and_world
+from distflow.rollout.episodes import episode_sums
+from distflow.rollout.groups import RolloutStats
+from distflow.rollout.scoring import REWARD_FAILURES
+from distflow.run.loggers import reduce_step_metrics
+from distflow.sample import Sample
+from distflow.train.update import UpdateResult
+
+
+def step_report(cfg: DistflowConfig, step: int, samples: list[Sample], rewards: torch.Tensor, groups: int,
+                stats: RolloutStats, upd: UpdateResult, timing: dict[str, float], probe: float,
+                lr: float) -> dict[str, float]:
+    """The step's metrics, identical on every rank (a collective: every rank calls it)."""
+    a = cfg.algorithm
+    s = upd.sums
+    resp_lens = [len(x.response_ids) for x in samples] or [0]
+    sums = {
+        "reward_sum": float(rewards.sum()),
+        "samples": float(len(samples)),
+        "resp_tokens": float(sum(resp_lens)),
+        "truncated": float(sum(x.truncated for x in samples)),
+        "tokens": float(sum(len(x.prompt_ids) + len(x.response_ids) for x in samples)),
+        "kept_groups": float(groups),
+        "generated_groups": float(stats.generated_groups),
+        **{f"reward/{k}": v for k, v in stats.reward_failures.items()},
+        **{f"upd/{f.name}": getattr(s, f.name) for f in fields(s)},
+    }
+    if cfg.task.env:
+        sums.update(episode_sums(samples))
+    timing = with_compute(timing)
+    maxima = {f"timing/{k}_s": v for k, v in timing.items()}
+    maxima.update({"timing/slowest_rank": slowest_rank_code(timing["compute"]),
+                   "response_length/max": float(max(resp_lens)), "sync/max_abs_logprob_diff": probe,
+                   "dynamic_sampling/rounds": float(stats.rounds), **gpu_memory()})
+    g = reduce_step_metrics(sums, maxima, {f"timing/{k}_min_s": v for k, v in timing.items()})
+    g["timing/slowest_rank"] = float(int(g["timing/slowest_rank"]) % rank_and_world()[1])
+    n, trained = max(g["samples"], 1.0), max(g["upd/tokens"], 1.0)
+    out = {
+        "step": step,
+        "reward/mean": g["reward_sum"] / n,
+        "response_length/mean": g["resp_tokens"] / n,
+        "response_length/max": g["response_length/max"],
+        "response/truncated_frac": g["truncated"] / n,
+        **{k: v for k, v in g.items() if k.startswith(("timing/", "memory/"))},
+        "throughput/tokens_per_s": g["tokens"] / max(g["timing/step_s"], 1e-9),
+        "sync/max_abs_logprob_diff": g["sync/max_abs_logprob_diff"],
+        "loss/policy": g["upd/loss"] / upd.passes,
+        "clip/fraction_low": g["upd/clip_low"] / trained,
+        "clip/fraction_high": g["upd/clip_high"] / trained,
+        "grad_norm": upd.grad_norm,
+        "lr": lr,
+        **{f"reward/{k}": g[f"reward/{k}"] for k in REWARD_FAILURES},
+        "update/nonfinite_skipped": float(upd.nonfinite_skipped),
+    }
+    if a.dual_clip_c is not None:
+        out["clip/fraction_dual"] = g["upd/dual_clip"] / trained
+    if a.kl_coef > 0:
+        out["loss/kl"] = g["upd/kl"] / trained
+    if a.entropy_coef != 0:
+        out["loss/entropy"] = g["upd/entropy"] / trained
+    if a.tis_cap is not None:
+        out["tis/mean_weight"] = g["upd/tis_weight"] / trained
+    if cfg.has_critic:
+        values = max(g["upd/value_tokens"], 1.0)
+        out["value/loss"] = g["upd/value_loss"] / upd.passes
+        out["value/clip_fraction"] = g["upd/value_clipped"] / values
+        out["value/mean"] = g["upd/value_sum"] / values
+        out["value/rmse"] = (g["upd/value_sq_error"] / values) ** 0.5
+        out["critic/grad_norm"] = upd.critic_grad_norm
+        out["update/actor_skipped"] = float(upd.actor_skipped)
+    if cfg.task.env:
+        out.update({"turns/mean": g["turns"] / n, "response_length/generated_mean": g["generated"] / n,
+                    "tool/calls": g["tool_calls"], "tool/errors": g["tool_errors"],
+                    "tool/timeouts": g["tool_timeouts"]})
+    if cfg.run.balance_lengths:
+        out.update({f"balance/{k}": v for k, v in stats.balance.items()})
+    if a.dynamic_sampling:
+        out["dynamic_sampling/kept_groups"] = g["kept_groups"]
+        out["dynamic_sampling/generated_groups"] = g["generated_groups"]
+        out["dynamic_sampling/rounds"] = g["dynamic_sampling/rounds"]
+        out["update/skipped"] = float(upd.skipped)
+    return out
+
+
+def with_compute(timing: dict[str, float]) -> dict[str, float]:
+    """The phase times plus wait (seconds blocked in distflow's collectives, 0 if not measured)
+    and compute = step - wait: the part of the step that was this rank's own work."""
+    out = {**timing, "wait": timing.get("wait", 0.0)}
+    out["compute"] = max(out.get("step", 0.0) - out["wait"], 0.0)
+    return out
+
+
+def slowest_rank_code(compute_s: float) -> float:
+    """This rank's compute time in whole milliseconds with its rank number folded in, so that the
+    maxima's all_reduce alone finds the slowest rank: max(code) % world is its rank (ties go to the
+    highest rank). float64 holds it exactly below 2**53 / world ms (centuries per step)."""
+    rank, world = rank_and_world()
+    return float(round(compute_s * 1000.0) * world + rank)
+
+
+class StragglerWatch:
+    """Names a rank that is the slowest (most compute time, waits excluded) for `steps`
+    consecutive steps and at least `margin` slower than the fastest: on a cluster a slow node
+    (thermal throttling, a bad link, a noisy neighbour) holds every step back, and the metric
+    alone is easy to miss. One warning per streak; steps=0 turns it off."""
+
+    def __init__(self, steps: int, margin: float = 0.1):
+        self.steps, self.margin = steps, margin
+        self.rank, self.streak = -1, 0
+
+    def observe(self, metrics: dict[str, float]) -> str | None:
+        rank = int(metrics.get("timing/slowest_rank", -1))
+        slow, fast = metrics.get("timing/compute_s", 0.0), metrics.get("timing/compute_min_s", 0.0)
+        if rank < 0 or slow <= fast * (1 + self.margin):
+            self.rank, self.streak = -1, 0
+            return None
+        self.streak = self.streak + 1 if rank == self.rank else 1
+        self.rank = rank
+        if self.steps and self.streak == self.steps:
+            return (f"rank {rank} was the slowest for {self.streak} consecutive steps (last step: {slow:.2f} s of "
+                    f"its own work vs {fast:.2f} s on the fastest rank); every rank waits for it")
+        return None
+
+
+def gpu_memory() -> dict[str, float]:
+    """On CUDA: the step's peak of torch's allocator on this rank's GPU (policy, engine tensors the
+    allocator serves, activations) and the device's whole use at the end of the step (vLLM's pools
+    and NCCL included), in GiB; then the peak is reset for the next step. Nothing on CPU."""
+    if not torch.cuda.is_initialized():
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    out = {"memory/peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+           "memory/device_used_gib": (total - free) / 2**30}
+    torch.cuda.reset_peak_memory_stats()
+    return out
+
+
+def run_summary(steps: int, wall_s: float, world_size: int, evaluations: dict[str, dict],
+                last_metrics: dict) -> dict:
+    """summary.json's content: held-out pass@1 before/after (when evaluated) and the last reward."""
+    summary: dict = {"steps": steps, "wall_s": wall_s, "world_size": world_size}
+    for when in ("before", "after"):
+        if when in evaluations:
+            summary[f"heldout_pass1_{when}"] = evaluations[when]["val/pass@1"]
+            summary["heldout_items"] = int(evaluations[when]["val/items"])
+            if "val/tool_calls" in evaluations[when]:  # multi-turn: how the greedy episodes went
+                summary[f"heldout_turns_{when}"] = evaluations[when]["val/turns"]
+                summary[f"heldout_tool_calls_{when}"] = evaluations[when]["val/tool_calls"]
+    if "before" in evaluations and "after" in evaluations:
+        summary["heldout_pass1_delta"] = summary["heldout_pass1_after"] - summary["heldout_pass1_before"]
+    if last_metrics:
+        summary["final_reward_mean"] = last_metrics["reward/mean"]
+    return summary
+
+
+@contextmanager
+def timed(out: dict[str, float], key: str):
+    """Adds the wall time of the block to out[key] (so repeated phases accumulate)."""
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        out[key] = out.get(key, 0.0) + time.perf_counter() - t

@@ -1,0 +1,97 @@
+"""Which run an output folder holds, and what this launch does with it (checkpoint.resume).
+
+  auto    Continue the newest complete checkpoint if the same run wrote it: its saved config
+          equals this one apart from the operational keys (resources, logging and checkpoint
+          cadence, which a requeued or resized job may change; distflow.config marks them). A
+          different run stops with one line that says what differs. A run already at run.steps
+          says so and exits 0 without training. No checkpoint: a fresh start.
+  never   A fresh start.
+  force   Continue the newest checkpoint whatever differs (the differences are logged), e.g.
+          a finished run with run.steps raised. No checkpoint: a fresh start.
+  <path>  Continue that checkpoint, as force does.
+
+A restarted torchrun attempt or a requeued SLURM job continues what its launch wrote, also under
+`never`. A fresh start moves an earlier run's files to <output_dir>/previous/<time>/ (RunDir), so
+two runs never mix in one metrics.jsonl. Rank 0 decides and moves; every rank gets the plan, or
+the same error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from distflow.config import ConfigError, DistflowConfig, config_differences, config_record
+from distflow.distributed import DistInfo, broadcast_object, shutdown
+from distflow.run.checkpoint import is_complete, latest_checkpoint, read_marker
+from distflow.run.rundir import RunDir
+
+RESTART_VARS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+
+
+class RunComplete(Exception):
+    """The folder holds this run, already finished: nothing to train (exit 0)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumePlan:
+    checkpoint: str | None = None  # None: a fresh start
+    saved_world_size: int = 0
+    set_aside: str | None = None  # where an earlier run's files went
+    warnings: tuple[str, ...] = ()  # for the run's log, once it is set up
+
+
+def launch_restart(env=os.environ) -> int:
+    """> 0 when this process belongs to a restarted torchrun attempt or a requeued SLURM job."""
+    return max(int(env.get(v, "0") or 0) for v in RESTART_VARS)
+
+
+def plan_resume(cfg: DistflowConfig, restart: int = 0) -> ResumePlan:
+    """Rank 0 only: read the folder and decide (ConfigError / RunComplete when it must stop)."""
+    run, mode = RunDir(cfg.run.output_dir), cfg.checkpoint.resume
+    mode = "auto" if mode == "never" and restart > 0 else mode
+    if mode in ("auto", "force"):
+        found = latest_checkpoint(run.checkpoints)
+    elif mode == "never":
+        found = None
+    else:
+        found = Path(mode)
+        if not is_complete(found):
+            raise ConfigError(f"checkpoint.resume={mode!r} is not a complete checkpoint folder")
+    if found is None:
+        moved = run.set_aside()
+        run.claim()
+        note = (f"{run.root} held files of an earlier run; they were moved to {moved}",) if moved else ()
+        return ResumePlan(set_aside=str(moved) if moved else None, warnings=note)
+    marker = read_marker(found)
+    diffs = config_differences(marker["config"], config_record(cfg))
+    if diffs and mode == "auto":
+        raise ConfigError(
+            f"{run.root} holds a different run ({'; '.join(diffs)}). Start a new run with checkpoint.resume=never "
+            f"(the earlier one moves to {run.previous}/) or another run.output_dir; continue the earlier one with "
+            "these settings with checkpoint.resume=force")
+    if marker["step"] >= cfg.run.steps:
+        raise RunComplete(
+            f"{found} is already at step {marker['step']} of run.steps={cfg.run.steps}; nothing to train (results: "
+            f"{run.summary}). Start a new run with checkpoint.resume=never, or continue this one with a higher "
+            "run.steps and checkpoint.resume=force")
+    note = (f"continuing {found} with other settings than it was written with: {'; '.join(diffs)}",) if diffs else ()
+    return ResumePlan(str(found), int(marker["world_size"]), warnings=note)
+
+
+def agree_on_plan(cfg: DistflowConfig, dist: DistInfo) -> ResumePlan:
+    """Collective: rank 0 plans (distflow.run.resume), every rank gets the plan or raises the
+    same error (a ConfigError, or RunComplete when there is nothing to do)."""
+    outcome: ResumePlan | Exception | None = None
+    if dist.is_main:
+        try:
+            outcome = plan_resume(cfg, launch_restart())
+        except Exception as e:  # noqa: BLE001 - handed to every rank, raised there
+            outcome = e
+    outcome = broadcast_object(outcome)
+    if isinstance(outcome, Exception):
+        if dist.owns_group:
+            shutdown()
+        raise outcome
+    return outcome

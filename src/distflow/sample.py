@@ -1,0 +1,46 @@
+"""One generated sequence as it leaves rollout and enters training: the record both wings share.
+
+`Sample` holds token ids and the engine's sampling logprobs; a multi-turn episode adds a mask
+(generated vs observation tokens) and an `EpisodeInfo`. It sits below distflow.rollout, which
+makes samples, and distflow.train, which pads them into the update batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Sample:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    # Log-probability of each response token under the engine's sampling distribution
+    # (after temperature), as the engine computed it.
+    logprobs: list[float]
+    truncated: bool  # hit max_new_tokens without an end-of-sequence token (an episode: its budget)
+    # Multi-turn episodes (distflow.rollout.episodes): 1 on each generated token, 0 on each observation
+    # token the environment appended between turns (context, never trained); None = all generated.
+    mask: list[int] | None = None
+    episode: "EpisodeInfo | None" = None  # what the episode did (turns, transcript, tool counts)
+
+    @property
+    def generated(self) -> int:
+        """Response tokens the model generated (observation tokens excluded)."""
+        return len(self.response_ids) if self.mask is None else sum(self.mask)
+
+
+@dataclass
+class EpisodeInfo:
+    """One multi-turn episode beyond its token ids: what scoring and the metrics read."""
+
+    transcript: list[dict] = field(default_factory=list)  # the model's turns and the observations, as messages
+    turns: int = 0  # model turns generated
+    env_reward: float = 0.0  # the sum of the environment's step rewards
+    tool_calls: int = 0
+    tool_errors: int = 0  # malformed calls, unknown tools, failed tools, failed environment steps
+    tool_timeouts: int = 0
+
+    @property
+    def final_text(self) -> str:
+        """The model's last turn: the answer a task reward scores."""
+        return next((m["content"] for m in reversed(self.transcript) if m["role"] == "assistant"), "")

@@ -1,0 +1,142 @@
+"""The update side's data, padded once: token tensors plus per-token [B, R] tensors.
+
+After rollout a rank's samples are left-padded into one `TokenBatch`; every later phase
+(logprobs, values, advantages, the loss) reads and writes [B, R] tensors aligned with its
+response mask, and micro-batches are row selections of it (`TokenBatch.rows`), never a
+cut-and-re-pad of per-sample lists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Union
+
+import torch
+
+from distflow.sample import Sample
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """Left-padded sequences, so every response ends at the last column.
+
+    Left padding lets the forward pass compute logits only for the last R+1 positions
+    (`logits_to_keep`), which hold every response token; the LM head over prompt tokens —
+    a large share of a small model's FLOPs — is skipped. Position ids are explicit, so
+    padding never shifts positions (they match the engine's 0..n-1).
+    """
+
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    position_ids: torch.Tensor  # [B, L]
+    resp_len: torch.Tensor  # [B] response tokens per row
+    # [B, R] 1 on the response tokens the policy generated, left-aligned: 0 on padding and on the
+    # observation tokens an environment appended between turns (context only, so every phase that
+    # reads this mask — logprobs, advantages, the losses — leaves them out).
+    resp_mask: torch.Tensor
+
+    @staticmethod
+    def from_samples(samples: list[Sample], pad_id: int, device: torch.device) -> "TokenBatch":
+        seqs = [s.prompt_ids + s.response_ids for s in samples]
+        width = max(len(s) for s in seqs)
+        resp_width = max(1, max(len(s.response_ids) for s in samples))
+        ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+        attn = torch.zeros((len(seqs), width), dtype=torch.long)
+        rmask = torch.zeros((len(seqs), resp_width), dtype=torch.float32)
+        for i, (seq, s) in enumerate(zip(seqs, samples)):
+            ids[i, width - len(seq):] = torch.tensor(seq)
+            attn[i, width - len(seq):] = 1
+            rmask[i, : len(s.response_ids)] = 1.0 if s.mask is None else torch.tensor(s.mask, dtype=torch.float32)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        resp_len = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.long)
+        return TokenBatch(ids.to(device), attn.to(device), pos.to(device), resp_len.to(device), rmask.to(device))
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def seq_len(self) -> torch.Tensor:
+        """[B] prompt + response tokens per row."""
+        return self.attention_mask.sum(-1)
+
+    def width(self, idx: list[int]) -> int:
+        """Response width of the rows `idx` (at least 1): the R of `rows(idx)`."""
+        return max(1, int(self.resp_len[idx].max())) if idx else 1
+
+    def rows(self, idx: list[int]) -> "TokenBatch":
+        """The rows `idx`, trimmed to their own widths: exactly `from_samples` of those samples."""
+        length, width = max(1, int(self.seq_len[idx].max())), self.width(idx)
+        return TokenBatch(self.input_ids[idx, -length:], self.attention_mask[idx, -length:],
+                          self.position_ids[idx, -length:], self.resp_len[idx], self.resp_mask[idx, :width])
+
+
+class _CurrentPolicy:
+    """Marker for `UpdateBatch.old_logprobs`: the policy that sampled is the one being trained
+    (one optimizer step per rollout), so the update uses its own detached logprobs as the old
+    ones and the importance ratio is exactly 1."""
+
+    def __repr__(self) -> str:
+        return "CURRENT_POLICY"
+
+
+CURRENT_POLICY = _CurrentPolicy()
+OldLogprobs = Union[torch.Tensor, _CurrentPolicy]
+
+
+@dataclass(frozen=True)
+class UpdateBatch:
+    """One rank's training batch: tokens plus per-token [B, R] tensors on the training device.
+
+    `loss_mask` marks the tokens the policy loss trains on (the response mask, minus what a
+    filter drops); `resp_mask` (in `tokens`) marks every real response token. Optional fields
+    are None when the run has no such component (no reference model, no critic).
+    """
+
+    tokens: TokenBatch
+    loss_mask: torch.Tensor
+    sampling_logprobs: torch.Tensor  # the engine's own, for truncated IS
+    advantages: torch.Tensor
+    old_logprobs: OldLogprobs = CURRENT_POLICY
+    ref_logprobs: torch.Tensor | None = None
+    values: torch.Tensor | None = None  # the critic's, at rollout time
+    returns: torch.Tensor | None = None  # the critic's targets
+
+    @staticmethod
+    def from_samples(samples: list[Sample], pad_id: int, device: torch.device,
+                     drop_truncated: bool = False) -> "UpdateBatch":
+        """Tokens and masks; advantages start at 0. drop_truncated takes samples cut at
+        max_new_tokens out of the loss (DAPO's overlong filter)."""
+        if not samples:
+            return UpdateBatch.empty(device)
+        tokens = TokenBatch.from_samples(samples, pad_id, device)
+        keep = torch.tensor([not (drop_truncated and s.truncated) for s in samples], dtype=torch.float32)
+        width = tokens.resp_mask.shape[1]
+        engine = pad_rows([torch.tensor(s.logprobs, dtype=torch.float32) for s in samples], width)
+        return UpdateBatch(tokens, tokens.resp_mask * keep.to(device)[:, None], engine.to(device),
+                           torch.zeros_like(tokens.resp_mask))
+
+    @staticmethod
+    def empty(device: torch.device) -> "UpdateBatch":
+        """A rank with no samples (dynamic sampling can leave one empty)."""
+        z = torch.zeros((0, 1), device=device)
+        zl = torch.zeros((0, 1), dtype=torch.long, device=device)
+        tokens = TokenBatch(zl, zl, zl, torch.zeros(0, dtype=torch.long, device=device), z)
+        return UpdateBatch(tokens, z, z, z)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def with_(self, **fields) -> "UpdateBatch":
+        return replace(self, **fields)
+
+
+def pad_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Stack 1-D per-sample tensors into [len(rows), width], zero-padded or cut ([0, width] float
+    when there are none)."""
+    if not rows:
+        return torch.zeros((0, width))
+    out = torch.zeros((len(rows), width), dtype=rows[0].dtype, device=rows[0].device)
+    for i, r in enumerate(rows):
+        n = min(width, r.shape[0])
+        out[i, :n] = r[:n]
+    return out

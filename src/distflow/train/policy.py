@@ -1,0 +1,251 @@
+"""The trainable policy: an HF causal LM sharded with FSDP2, its optimizer and LR schedule.
+(`ShardedModel` is the part it shares with the PPO critic, distflow.train.critic.)
+
+`fully_shard` wraps each decoder block and then the root, so parameters live as DTensor shards
+and are all-gathered one block at a time in forward/backward. Gradients are averaged over
+ranks by FSDP (or, for replicas, by distflow.train.grad_sync); the loss code compensates with a global
+normaliser (see algorithms.losses).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from distflow.config import ModelConfig, OptimConfig
+from distflow.distributed import all_reduce
+from distflow.distributed.devices import torch_dtype
+from distflow.distributed.layout import ParallelLayout
+from distflow.train.batch import TokenBatch
+from distflow.train.grad_sync import ReplicaGradReducer
+from distflow.train.lm_head import chunked_stats, head_replaced, output_head, token_stats
+from distflow.train.lora import (
+    adapters_disabled,
+    add_adapters,
+    dropout_off,
+    has_adapters,
+    peft_config,
+    trainable_parameters,
+)
+from distflow.train.model_init import initial_model, is_meta, materialize, skeleton
+
+
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        layers = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), None)
+    if layers is None:
+        raise ValueError(f"cannot find the decoder blocks of {type(model).__name__} to shard")
+    return list(layers)
+
+
+def _backward_order(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> list[torch.nn.Parameter]:
+    """The trainable parameters in the order FSDP2 finishes their gradients: the last decoder
+    block's first, the root's own (embeddings, final norm, a head) last, in its final
+    post-backward callback."""
+    in_blocks = [p for b in reversed(blocks) for p in b.parameters()]
+    seen = {id(p) for p in in_blocks}
+    return [p for p in in_blocks + [p for p in model.parameters() if id(p) not in seen] if p.requires_grad]
+
+
+def response_window_index(batch: TokenBatch) -> torch.Tensor:
+    """[B, R] indices into the window of the last R+1 positions: column t of row i is the
+    position whose output predicts (or values the state before) response token t.
+
+    A row with r response tokens has token t at window index R - r + t + 1, so the output at
+    window index R - r + t belongs to it (clamped past the end; those columns are masked).
+    """
+    width = batch.resp_mask.shape[1]
+    t = torch.arange(width, device=batch.resp_len.device)[None, :]
+    return (width - batch.resp_len[:, None] + t).clamp(max=width - 1)
+
+
+class ShardedModel:
+    """An HF model sharded with FSDP2 (each decoder block, then the root), its AdamW optimizer
+    and linear-warm-up LR schedule. trainable=False freezes it and builds no optimizer.
+
+    `model` is either the loaded model or a meta-device skeleton (distflow.train.model_init); a skeleton
+    is allocated after sharding and filled with `load_full()`, which only global rank 0 calls."""
+
+    def __init__(self, model: torch.nn.Module, model_cfg: ModelConfig, optim: OptimConfig, layout: ParallelLayout,
+                 trainable: bool = True, lr: float | None = None, warmup_steps: int | None = None,
+                 load_full: Callable[[], torch.nn.Module] | None = None):
+        self.device = device = layout.device
+        model.config.use_cache = False
+        mesh = layout.fsdp_mesh
+        compute = torch_dtype(model_cfg.dtype, layout.device)
+        mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute != torch.float32 else MixedPrecisionPolicy()
+        if model_cfg.activation_checkpointing and trainable:
+            # transformers' per-block checkpointing runs inside each block's __call__, so FSDP2's
+            # hooks stay on the blocks themselves (it skips them during the recompute) and no
+            # wrapper module renames the parameters that checkpoints and the engine sync use.
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.logprob_chunk_tokens = model_cfg.logprob_chunk_tokens
+        # The LM head the chunked logprob path stands in for, found (and refused if it cannot) here,
+        # not mid-run; fully_shard keeps the module, so it stays valid after sharding.
+        self.head = output_head(model) if self.logprob_chunk_tokens and model.get_output_embeddings() is not None \
+            else None
+        blocks = decoder_blocks(model)
+        self.lora = has_adapters(model)
+        if self.lora and compute != torch.float32:  # the frozen base needs no fp32 master copy
+            for p in model.parameters():
+                if not p.requires_grad:
+                    p.data = p.data.to(compute)
+        for block in blocks:
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        self.model = materialize(model, device, load_full) if is_meta(model) else model.to(device)
+        self.model.train()
+        self.reducer: ReplicaGradReducer | None = None
+        if not trainable:
+            self.model.requires_grad_(False)
+            self.optimizer = self.scheduler = None
+            return
+        if layout.bucketed_replicas:
+            self.reducer = ReplicaGradReducer(_backward_order(self.model, blocks), layout.replica_group,
+                                              int(model_cfg.grad_bucket_mib * 2**20))
+        # fused: one kernel over all parameters, about 2x faster than foreach for SmolLM2-135M on
+        # CPU (bench/update.py); works on DTensor shards and on CUDA alike.
+        self.optimizer = torch.optim.AdamW(
+            trainable_parameters(self.model),  # with LoRA, the adapters only
+            lr=optim.lr if lr is None else lr,
+            betas=(optim.beta1, optim.beta2),
+            weight_decay=optim.weight_decay,
+            fused=True,
+        )
+        warmup = optim.warmup_steps if warmup_steps is None else warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
+        )
+        self.max_grad_norm = optim.max_grad_norm
+
+    def _reshard_if_no_grad(self) -> None:
+        # FSDP2 keeps the root unsharded after forward in anticipation of backward; with no
+        # backward coming, reshard so parameters are DTensor shards again (optimizer, sync).
+        if not torch.is_grad_enabled():
+            self.model.reshard()
+
+    def all_reduce_gradients(self, enabled: bool) -> None:
+        """Whether the next backward all-reduces gradients across replicas (HSDP's replicate
+        dimension, or the bucketed reducer's buckets). Off for all but a mini-batch's last
+        micro-batch: gradients accumulate locally and cross the link once per optimizer step,
+        not once per micro-batch. Shards are still reduce-scattered every pass, so memory does
+        not grow; on a plain FSDP mesh there is no replicate dimension and this changes nothing."""
+        if self.reducer is not None:
+            self.reducer.enabled = enabled
+        else:
+            self.model.set_requires_all_reduce(enabled, recurse=True)
+
+    def step(self, loss: float) -> tuple[float, bool]:
+        """Clip gradients and take one optimizer step, unless this rank's `loss` or the global
+        gradient norm is not finite on ANY rank (one all_reduce decides, so every rank agrees):
+        then the gradients are dropped and the weights, optimizer and schedule stay untouched.
+        Returns (pre-clip global grad norm, whether the step was taken)."""
+        norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(self.model), self.max_grad_norm)
+        norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        bad = not (math.isfinite(loss) and math.isfinite(norm))
+        taken = float(all_reduce(float(bad), "max")) == 0.0
+        if taken:
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm, taken
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+
+def check_lora_targets(model_path: str, model_cfg: ModelConfig) -> None:
+    """Adapt a meta-device skeleton of the model as the policy will be adapted: a target that
+    matches nothing or a layer PEFT cannot adapt stops every rank with one line, before any
+    weights load. Costs no memory and draws nothing from the RNG."""
+    if not model_cfg.lora.enabled:
+        return
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=model_cfg.trust_remote_code)
+    model = skeleton(AutoModelForCausalLM, config, model_cfg.trust_remote_code)
+    _adapt_skeleton(model, peft_config(model_cfg.lora, decoder_blocks(model)))
+
+
+def _adapt_skeleton(model: torch.nn.Module, config) -> None:
+    """Meta-device adapters on a meta skeleton: no memory, no RNG draws (a full load draws them)."""
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        add_adapters(model, config)
+
+
+class Policy(ShardedModel):
+    """The causal LM being trained; trainable=False builds a frozen KL reference. With
+    model.lora the model carries adapters (distflow.train.lora), and `base()` is its reference."""
+
+    def __init__(self, model_path: str, model_cfg: ModelConfig, optim: OptimConfig, layout: ParallelLayout,
+                 trainable: bool = True):
+        # fp32 master weights always; bf16/fp16 only as FSDP's compute dtype.
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=model_cfg.trust_remote_code)
+        model, load = initial_model(AutoModelForCausalLM, model_path, config, model_cfg.meta_device_init,
+                                    model_cfg.trust_remote_code)
+        self.adapter_config = None  # PEFT's LoraConfig of the adapters, when there are any
+        if model_cfg.lora.enabled and trainable:
+            config = self.adapter_config = peft_config(model_cfg.lora, decoder_blocks(model), model_path)
+            if is_meta(model):  # the skeleton gets meta adapters; rank 0's load fills them
+                _adapt_skeleton(model, config)
+            else:
+                add_adapters(model, config)
+            load = (lambda full=load: add_adapters(full(), config))
+        super().__init__(model, model_cfg, optim, layout, trainable, load_full=load)
+
+    def base(self) -> "FrozenBase":
+        """The policy with its adapters off: a LoRA run's KL reference, without a second model."""
+        assert self.lora, "base() is the reference of a policy with adapters"
+        return FrozenBase(self)
+
+    def logprobs(self, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
+        """log p(response token | prefix) at `temperature`, shape [B, R] (0 beyond each response)."""
+        return self.forward(batch, temperature)[0]
+
+    def forward(self, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False):
+        """(logprobs [B, R], entropy [B, R] or None) of the response tokens at `temperature`."""
+        keep = batch.resp_mask.shape[1] + 1  # the last R+1 positions predict every response token
+        idx = response_window_index(batch)
+        targets = batch.input_ids[:, -keep:].gather(1, idx + 1)
+        inputs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                      position_ids=batch.position_ids, logits_to_keep=keep)
+        # logprob passes (no grad) run without the adapters' dropout: deterministic, as the engine
+        quiet = dropout_off(self.model) if self.lora and not torch.is_grad_enabled() else contextlib.nullcontext()
+        if self.logprob_chunk_tokens > 0:  # the head runs chunk by chunk (distflow.train.lm_head)
+            def chunked_head(hidden: torch.Tensor) -> torch.Tensor:
+                window = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
+                return chunked_stats(window, self.head, targets, batch.resp_mask, temperature,
+                                     self.logprob_chunk_tokens, with_entropy)
+
+            with head_replaced(self.head, chunked_head), quiet:
+                stats = self.model(**inputs).logits  # [B, R, 1 or 2]
+            lp, entropy = stats[..., 0], (stats[..., 1] if with_entropy else None)
+        else:  # [B, R, V] logits for the whole micro-batch
+            with quiet:
+                logits = self.model(**inputs).logits
+            sel = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))
+            lp, entropy = token_stats(sel, targets, temperature, with_entropy)
+            lp = lp * batch.resp_mask
+            entropy = entropy * batch.resp_mask if with_entropy else None
+        self._reshard_if_no_grad()
+        return lp, entropy
+
+
+class FrozenBase:
+    """A LoRA policy seen with its adapters off: the frozen base model, which is what a separate
+    reference loaded from model.path would compute. Only the logprob pass the trainer asks of a
+    reference (distflow.train.update.response_logprobs)."""
+
+    def __init__(self, policy: Policy):
+        self.policy = policy
+
+    def logprobs(self, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
+        with adapters_disabled(self.policy.model):
+            return self.policy.logprobs(batch, temperature)

@@ -1,0 +1,152 @@
+"""Sleep and wake around the update: the call order vLLM's sleep mode needs, checked on CPU.
+
+vLLM has no sleep mode on CPU, so the engine's side runs against a recording stand-in for
+`vllm.LLM`; the trainer's side runs a real 2-step training with the HF engine wrapped in a
+recorder. Order wanted on CUDA: sleep(level=2) -> wake_up(tags=["weights"]) -> reload ->
+wake_up(tags=["kv_cache"]) -> reset_prefix_cache(), with nothing generated in between.
+"""
+
+import json
+
+import pytest
+import torch
+
+from dist_helpers import run_distributed
+from distflow.config import ConfigError, RolloutConfig
+from distflow.rollout.vllm_engine import VLLMEngine, check_platform, max_model_len
+from launch_helpers import ROOT
+
+
+class RecordingLLM:
+    """Stands in for vllm.LLM: records the calls the engine makes (and consumes the weight stream)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sleep(self, level=1):
+        self.calls.append(f"sleep(level={level})")
+
+    def wake_up(self, tags=None):
+        self.calls.append(f"wake_up(tags={tags})")
+
+    def collective_rpc(self, method, kwargs=None):
+        names = [n for n, _ in kwargs["weights_iterator"]]
+        self.calls.append(f"{method}({len(names)} tensors)")
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache()")
+
+    def generate(self, *args, **kwargs):
+        self.calls.append("generate")
+        return []
+
+
+def _engine(on_cpu=False, sleep_during_update=True) -> VLLMEngine:
+    engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM construction: the stand-in is the engine
+    engine.llm, engine.on_cpu, engine.tied_head, engine.sleeping = RecordingLLM(), on_cpu, False, False
+    engine.cfg = RolloutConfig(sleep_during_update=sleep_during_update)
+    engine.adapter_dir, engine.lora_request = None, None
+    return engine
+
+
+def _weights():
+    return iter([("a", torch.zeros(2)), ("b", torch.ones(3))])
+
+
+def test_sleep_level_2_then_the_resync_wakes_weights_reloads_then_wakes_the_kv_cache():
+    engine = _engine()
+    engine.sleep()
+    engine.sleep()  # a second call does nothing
+    with pytest.raises(RuntimeError, match="asleep"):  # nothing generates on freed weights
+        engine.generate([[1, 2]], 1, [0])
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.prompt_logprobs([[1, 2]])
+    engine.load_weights(_weights())
+    assert engine.llm.calls == ["sleep(level=2)", "wake_up(tags=['weights'])", "reload_weights(2 tensors)",
+                                "wake_up(tags=['kv_cache'])", "reset_prefix_cache()"]
+    assert not engine.sleeping
+    engine.generate([[1, 2]], 1, [0])  # awake again
+    assert engine.llm.calls[-1] == "generate"
+
+
+def test_a_resync_without_sleep_wakes_nothing():
+    engine = _engine()
+    engine.load_weights(_weights())  # resume: the engine never slept
+    assert engine.llm.calls == ["reload_weights(2 tensors)", "reset_prefix_cache()"]
+
+
+@pytest.mark.parametrize("on_cpu,sleep_during_update", [(True, True), (False, False)])
+def test_no_sleep_on_cpu_or_when_turned_off(on_cpu, sleep_during_update):
+    engine = _engine(on_cpu, sleep_during_update)
+    engine.sleep()
+    engine.load_weights(_weights())
+    assert engine.llm.calls == ["reload_weights(2 tensors)", "reset_prefix_cache()"]
+
+
+def test_an_engine_serving_adapters_never_sleeps():
+    """Level 2 frees the base weights, and an adapter resync never sends them again."""
+    engine = _engine()
+    engine.adapter_dir = "/dev/shm/distflow-adapter-x"
+    engine.sleep()
+    assert engine.llm.calls == [] and not engine.sleeping
+
+
+def test_max_model_len_fits_the_probe():
+    """The probe resubmits a full-length prompt plus a truncated response and asks for one token."""
+    assert max_model_len(RolloutConfig(max_prompt_tokens=128, max_new_tokens=16)) == 128 + 16 + 1
+
+
+def test_a_vllm_build_for_the_other_device_is_refused():
+    check_platform("cpu", vllm_on_cpu=True)
+    check_platform("cuda", vllm_on_cpu=False)
+    with pytest.raises(ConfigError, match="trains on the CPU but this vLLM is a GPU build"):
+        check_platform("cpu", vllm_on_cpu=False)
+    with pytest.raises(ConfigError, match="trains on CUDA but this vLLM is the CPU build"):
+        check_platform("cuda", vllm_on_cpu=True)
+
+
+# ----------------------------------------------------------------------------- the trainer's order
+class RecordingEngine:
+    """Wraps a real engine and records which of its methods the trainer calls, in order."""
+
+    def __init__(self, inner, log):
+        self.inner, self.log = inner, log
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if name not in ("generate", "prompt_logprobs", "load_weights", "sleep"):
+            return attr
+
+        def call(*args, **kwargs):
+            self.log.append(name)
+            return attr(*args, **kwargs)
+        return call
+
+
+def _train_two_steps(rank, world, out):
+    import distflow.trainer as T
+    from distflow.config import DistflowConfig
+
+    calls = []
+    real = T.build_engine
+    T.build_engine = lambda *a, **k: RecordingEngine(real(*a, **k), calls)
+    cfg = DistflowConfig()
+    cfg.rollout.engine, cfg.rollout.max_new_tokens = "hf", 8
+    cfg.task.path, cfg.task.reward = str(ROOT / "recipes" / "data" / "arith.jsonl"), "numeric"
+    cfg.run.steps, cfg.run.output_dir, cfg.run.sync_probe_every = 2, f"{out}/run", 1
+    cfg.logging.plot_at_end = cfg.logging.progress_bar = False
+    trainer = T.Trainer(cfg)
+    try:
+        trainer.train()
+    finally:
+        trainer.rewards.close()
+        trainer.scoring_thread.shutdown()
+    with open(f"{out}/calls.json", "w") as f:
+        json.dump(calls, f)
+
+
+def test_trainer_sleeps_after_rollout_and_wakes_only_through_the_resync(tmp_path):
+    run_distributed(_train_two_steps, 1, str(tmp_path), timeout=600)
+    calls = json.loads((tmp_path / "calls.json").read_text())
+    step = ["generate", "sleep", "load_weights", "prompt_logprobs"]  # rollout, update, resync, probe
+    assert calls == step + step, calls

@@ -1,0 +1,46 @@
+"""A non-finite loss or gradient on any rank: every rank skips the optimizer step, the weights stay
+bit-for-bit as they were, the step is counted, and too many in a row end the run."""
+
+import torch
+
+from dist_helpers import gathered, run_distributed
+from grad_helpers import update_batch
+from grad_helpers import fixed_batch
+from distflow.config import DistflowConfig
+from distflow.distributed.layout import ParallelLayout
+from distflow.train.policy import Policy
+from distflow.train.update import backward_policy_loss
+
+
+def _nan_on_one_rank(rank, world, model_dir):
+    cfg = DistflowConfig()
+    cfg.optim.micro_batch_size = 2
+    policy = Policy(model_dir, cfg.model, cfg.optim, ParallelLayout.current(cfg.model))
+    samples, adv, _ = fixed_batch()
+    local = samples[rank::world]
+    before = {n: p.full_tensor().clone() for n, p in policy.model.named_parameters()}
+    results = []
+    for poisoned in (True, False):
+        a = adv[rank::world].clone()
+        if poisoned and rank == 0:
+            a[1] = float("nan")  # one sample of one rank
+        batch = update_batch(local, a)
+        sums = backward_policy_loss(policy, batch, list(range(len(batch))), cfg, pad_id=0)
+        norm, taken = policy.step(sums.loss)
+        after = {n: p.full_tensor().clone() for n, p in policy.model.named_parameters()}
+        unchanged = all(torch.equal(before[n], after[n]) for n in before)
+        results.append({"loss": sums.loss, "norm": norm, "taken": taken, "unchanged": unchanged,
+                        "optimizer_state": len(policy.optimizer.state), "lr_step": policy.scheduler.last_epoch,
+                        "grads_cleared": all(p.grad is None for p in policy.model.parameters())})
+    return gathered(results)
+
+
+def test_nan_on_one_rank_skips_the_step_on_every_rank(tiny_model_dir):
+    r0, r1 = run_distributed(_nan_on_one_rank, 2, tiny_model_dir)
+    bad0, bad1 = r0[0], r1[0]
+    assert bad0["loss"] != bad0["loss"] and bad1["loss"] == bad1["loss"]  # NaN on rank 0 only
+    for bad in (bad0, bad1):  # both ranks skipped, nothing moved, nothing left behind
+        assert not bad["taken"] and bad["unchanged"] and bad["grads_cleared"]
+        assert bad["optimizer_state"] == 0 and bad["lr_step"] == 0
+    for good in (r0[1], r1[1]):  # the next, finite step trains normally
+        assert good["taken"] and not good["unchanged"] and good["lr_step"] == 1

@@ -1,0 +1,170 @@
+"""Resume: on another number of ranks (DCP reshards, the sampler's stream continues, new ranks
+get derived RNG streams), and the rules that decide whether a launch continues the run in its
+output folder (distflow.run.resume). Real gloo ranks, real FSDP2 models, real DCP files."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+from dist_helpers import run_distributed
+from distflow.config import ConfigError, DistflowConfig, config_record
+from distflow.run.checkpoint import FORMAT, POLICY, Checkpointer, ModelOptimState, RNGState, latest_checkpoint, \
+    read_marker
+from distflow.data.sampler import ShardedSampler
+from distflow.distributed.layout import ParallelLayout
+from distflow.train.policy import Policy
+from distflow.run.resume import RunComplete, plan_resume
+from distflow.run.rundir import RunDir
+
+IDS = torch.tensor([[1, 5, 9, 33, 70, 2], [4, 8, 15, 16, 23, 42]])
+SEED, STEP = 7, 3
+
+
+def _policy(model_dir, shard_ranks):
+    cfg = DistflowConfig()
+    cfg.model.shard_ranks = shard_ranks
+    return Policy(model_dir, cfg.model, cfg.optim, ParallelLayout.current(cfg.model))
+
+
+def _full_state(policy) -> dict:
+    """Model and optimizer state as full tensors (gathered on every rank)."""
+    model, optim = get_state_dict(policy.model, [policy.optimizer], options=StateDictOptions(full_state_dict=True))
+    return {"model": model, "optim": optim}
+
+
+def _checkpointer(root, rank, policy, sampler):
+    ck = Checkpointer(Path(root) / "checkpoints", keep_last=2, rank=rank)
+    ck.register(POLICY, ModelOptimState(policy.model, policy.optimizer), "sharded")
+    ck.register("sampler", sampler, "rank")
+    ck.register("rng", RNGState("cpu", SEED), "rank")
+    return ck
+
+
+def _train_and_save(rank, world, model_dir, root, shard_ranks):
+    policy = _policy(model_dir, shard_ranks)
+    loss = policy.model(input_ids=IDS[rank % 2:rank % 2 + 1]).logits.float().pow(2).mean()
+    loss.backward()
+    policy.optimizer.step()  # Adam moments exist and differ from zero
+    sampler = ShardedSampler(50, rank, world, seed=SEED)
+    sampler.next_indices(2)
+    torch.manual_seed(100 + rank)
+    _checkpointer(root, rank, policy, sampler).save(STEP, config_record(DistflowConfig()), model_dir)
+    return _full_state(policy)
+
+
+def _load_and_compare(rank, world, model_dir, root, shard_ranks, saved, saved_world):
+    policy = _policy(model_dir, shard_ranks)
+    sampler = ShardedSampler(50, rank, world, seed=SEED)
+    _checkpointer(root, rank, policy, sampler).load(latest_checkpoint(Path(root) / "checkpoints"))
+    now = _full_state(policy)
+    assert saved["model"].keys() == now["model"].keys()
+    assert all(torch.equal(saved["model"][k], now["model"][k]) for k in saved["model"])
+    s_opt, n_opt = saved["optim"]["state"], now["optim"]["state"]
+    assert s_opt.keys() == n_opt.keys() and len(s_opt) > 0
+    for fqn in s_opt:
+        for key, value in s_opt[fqn].items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(n_opt[fqn][key])), (fqn, key)
+    assert sampler.state_dict()["offset"] == 2 * saved_world  # the global stream continues
+    drawn = torch.rand(3)
+    if rank >= saved_world:  # a rank the saving run did not have: streams from (seed, step, rank)
+        torch.manual_seed((SEED * 1_000_003 + STEP) * 1_009 + rank)
+        assert torch.equal(drawn, torch.rand(3))
+    else:  # its own saved streams
+        torch.manual_seed(100 + rank)
+        assert torch.equal(drawn, torch.rand(3))
+
+
+@pytest.mark.parametrize("saved_world,world,shard_ranks", [(2, 1, -1), (1, 2, -1), (2, 1, 1)])
+def test_resume_on_another_world_size_restores_model_optimizer_and_streams(
+        tiny_model_dir, tmp_path, saved_world, world, shard_ranks):
+    root = str(tmp_path / "run")
+    saved = run_distributed(_train_and_save, saved_world, tiny_model_dir, root, shard_ranks)
+    assert read_marker(latest_checkpoint(tmp_path / "run" / "checkpoints"))["world_size"] == saved_world
+    run_distributed(_load_and_compare, world, tiny_model_dir, root, shard_ranks, saved, saved_world)
+
+
+# ----------------------------------------------------------------------------- which run is this
+SECTION = {"steps": "run", "seed": "run", "resume": "checkpoint", "every_s": "checkpoint", "level": "logging"}
+
+
+def _cfg(out, **keys):
+    cfg = DistflowConfig()
+    cfg.task.path, cfg.run.output_dir = "data.jsonl", str(out)
+    for key, value in keys.items():
+        setattr(getattr(cfg, SECTION[key]), key, value)
+    return cfg
+
+
+def _fake_checkpoint(out, step, cfg, world=2):
+    """A complete checkpoint as far as plan_resume reads it: marker, its files, the saved config."""
+    path = Path(out) / "checkpoints" / f"step_{step:06d}"
+    path.mkdir(parents=True)
+    (path / "rank_0.json").write_text("{}")
+    (path / "COMPLETE").write_text(json.dumps({"format": FORMAT, "step": step, "world_size": world, "files": {
+        "rank_0.json": 2}, "config": config_record(cfg), "model_path": "tiny", "state": {}}))
+    RunDir(out).marker.write_text("{}")  # the run that wrote it marked its folder
+    return path
+
+
+def test_auto_continues_the_same_run_and_refuses_another(tmp_path):
+    ck = _fake_checkpoint(tmp_path, 2, _cfg(tmp_path, steps=5))
+    plan = plan_resume(_cfg(tmp_path, steps=5, level="INFO", every_s=60.0))
+    assert plan.checkpoint == str(ck) and plan.saved_world_size == 2 and plan.warnings == ()
+    with pytest.raises(ConfigError, match=r"holds a different run \(run.seed: 0 -> 1; run.steps: 5 -> 6\)"
+                                          r".*checkpoint.resume=never.*checkpoint.resume=force"):
+        plan_resume(_cfg(tmp_path, steps=6, seed=1))
+    # force continues with the new settings, and says what changed
+    plan = plan_resume(_cfg(tmp_path, steps=6, resume="force"))
+    assert plan.checkpoint == str(ck) and "run.steps: 5 -> 6" in plan.warnings[0]
+    assert ck.is_dir()  # nothing was moved by any of this
+
+
+def test_a_finished_run_is_reported_not_retrained(tmp_path):
+    _fake_checkpoint(tmp_path, 5, _cfg(tmp_path, steps=5))
+    with pytest.raises(RunComplete, match="already at step 5 of run.steps=5; nothing to train"):
+        plan_resume(_cfg(tmp_path, steps=5))
+    # raising the step count is a different run unless asked for
+    with pytest.raises(ConfigError, match="run.steps: 5 -> 8"):
+        plan_resume(_cfg(tmp_path, steps=8))
+    assert plan_resume(_cfg(tmp_path, steps=8, resume="force")).checkpoint.endswith("step_000005")
+
+
+def test_a_fresh_start_sets_an_earlier_run_aside(tmp_path):
+    # an earlier run killed before its first save: metrics, logs, config, but no checkpoint
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    (tmp_path / "logs" / "rank_0.log").write_text("old\n")
+    (tmp_path / "logs" / "123-node0.log").write_text("the launcher's log of this launch\n")
+    RunDir(tmp_path).claim()
+    plan = plan_resume(_cfg(tmp_path))
+    assert plan.checkpoint is None and plan.set_aside and "moved to" in plan.warnings[0]
+    moved = Path(plan.set_aside)
+    assert moved.parent == tmp_path / "previous"
+    assert (moved / "metrics.jsonl").read_text().count("step") == 2 and (moved / "logs" / "rank_0.log").is_file()
+    assert not (tmp_path / "metrics.jsonl").exists() and (moved / ".distflow-run").is_file()
+    assert (tmp_path / "logs" / "123-node0.log").is_file()  # not a run file: stays
+    assert (tmp_path / ".distflow-run").is_file()  # the new run claimed the folder
+    # never: a complete checkpoint is set aside too, into a second folder
+    _fake_checkpoint(tmp_path, 3, _cfg(tmp_path))
+    plan = plan_resume(_cfg(tmp_path, resume="never"))
+    assert plan.checkpoint is None and (Path(plan.set_aside) / "checkpoints" / "step_000003").is_dir()
+    assert len(list((tmp_path / "previous").iterdir())) == 2
+    assert plan_resume(_cfg(tmp_path / "empty")) == type(plan)()  # an empty folder: a plain fresh start
+
+
+def test_a_restarted_attempt_continues_even_under_never(tmp_path):
+    ck = _fake_checkpoint(tmp_path, 2, _cfg(tmp_path, resume="never"))
+    assert plan_resume(_cfg(tmp_path, resume="never"), restart=1).checkpoint == str(ck)
+
+
+def test_an_explicit_checkpoint_path_is_continued_like_force(tmp_path):
+    ck = _fake_checkpoint(tmp_path / "a", 2, _cfg(tmp_path / "a"))
+    plan = plan_resume(_cfg(tmp_path / "b", resume=str(ck), seed=4))
+    assert plan.checkpoint == str(ck) and "run.seed: 0 -> 4" in plan.warnings[0]
+    with pytest.raises(ConfigError, match="not a complete checkpoint"):
+        plan_resume(_cfg(tmp_path / "b", resume=str(tmp_path / "nowhere")))
+    assert sorted(os.listdir(tmp_path / "a")) == [".distflow-run", "checkpoints"]

@@ -1,0 +1,156 @@
+"""Each benchmark's --smoke mode runs end to end and writes the documented JSON keys.
+
+Results go to a temporary folder (--results-dir), never bench/results. No wall-clock time or
+ratio is asserted: these only keep the benchmark scripts from rotting.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+
+def run_bench(name: str, tmp_path: Path, *extra: str) -> dict:
+    results, work = tmp_path / "results", tmp_path / "work"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / f"{name}.py"), "--smoke", "--results-dir", str(results),
+                           "--work-dir", str(work), *extra],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"bench/{name}.py --smoke failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    path = results / f"{name}.json"
+    assert path.is_file(), proc.stdout[-2000:]
+    return json.loads(path.read_text())
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and x > 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl not installed (pip install 'trl==1.16.*')")
+def test_vs_trl_smoke(tmp_path):
+    out = run_bench("vs_trl", tmp_path)
+    assert out["records"]
+    for rec in out["records"]:
+        for key in ("model", "processes", "distflow_tokens_per_s", "trl_tokens_per_s", "ratio_median", "ratio_min",
+                    "ratio_max", "config"):
+            assert key in rec, key
+        assert _positive(rec["distflow_tokens_per_s"]) and _positive(rec["trl_tokens_per_s"])
+        assert rec["ratio_min"] <= rec["ratio_median"] <= rec["ratio_max"]
+        for key in ("distflow_command", "trl_command", "trl_grpo_config", "group_size", "prompts_per_step",
+                    "max_new_tokens", "lr"):
+            assert key in rec["config"], key
+        assert rec["config"]["trl_grpo_config"]["beta"] == 0.0
+
+
+def test_sync_smoke(tmp_path):
+    out = run_bench("sync", tmp_path)
+    assert _positive(out["ratio_median"])
+    assert {r["engine"] for r in out["records"]} == {"vllm", "hf"}
+    for rec in out["records"]:
+        for key in ("sync_s_median", "copy_s_median", "ratio_median", "bytes"):
+            assert _positive(rec[key]), key
+    lora = {r["resync"]: r for r in out["lora_records"]}
+    assert set(lora) == {"adapter", "merged"} and lora["adapter"]["bytes"] < lora["merged"]["bytes"]
+    for rec in lora.values():  # either way the engine serves the policy
+        assert rec["probe_max_abs_diff"] <= 1e-5 and _positive(rec["generate_tokens_per_s_median"]), rec
+
+
+def test_comm_smoke(tmp_path):
+    out = run_bench("comm", tmp_path)
+    per_step = out["bytes_per_rank_per_step"]
+    assert set(per_step) == {"1", "2"}
+    assert per_step["1"] == 0  # world size 1 calls no collective
+    assert per_step["2"] > 0
+    assert out["helper_payload_bytes_per_rank_per_step"]["1"] > 0
+    assert "fsdp_sync_bytes_per_rank_per_step" in out
+    assert isinstance(out["flat"], bool)
+
+
+def test_flops_smoke(tmp_path):
+    out = run_bench("flops", tmp_path)
+    assert _positive(out["train_flops_fraction_of_peak"])
+    rec = out["records"][0]
+    for key in ("params", "train_flops_per_s", "matmul_peak_flops_per_s", "trained_tokens_per_step", "update_s_per_step"):
+        assert _positive(rec[key]), key
+
+
+def test_engines_smoke(tmp_path):
+    out = run_bench("engines", tmp_path)
+    rec = out["records"][0]
+    assert rec["model"] == "tiny"
+    for key in ("vllm_tokens_per_s", "hf_tokens_per_s", "ratio_median"):
+        assert _positive(rec[key]), key
+    assert set(rec["batch_shape"]) >= {"prompts_per_rank", "group_size", "max_new_tokens"}
+
+
+def test_balance_smoke(tmp_path):
+    out = run_bench("balance", tmp_path)
+    rec = out["records"][0]
+    for name in ("off", "on"):
+        for key in ("update_max_s_median", "update_min_s_median", "update_max_over_min", "tokens_per_s"):
+            assert _positive(rec[name][key]), (name, key)
+    # the task is skewed by construction, and the balancer evens it out
+    assert rec["tokens_spread_before"] > 1.5 and rec["tokens_spread_after"] < rec["tokens_spread_before"]
+
+
+def test_update_smoke(tmp_path):
+    out = run_bench("update", tmp_path, "--profile", "5")
+    profile = (tmp_path / "work" / "tiny-n2-profile.txt").read_text()
+    assert "Self CPU" in profile and len(profile.splitlines()) >= 5, profile
+    rec = out["records"][0]
+    assert rec["processes"] == 2 and rec["seqs_per_rank"] > rec["micro_batch_size"]  # several micro-batches
+    for variant in out["variants"]:
+        for key in ("backward_s", "optimizer_s", "update_s"):
+            assert _positive(rec["median_s"][variant][key]), (variant, key)
+    assert _positive(rec["speedup_fused"]) and _positive(rec["speedup_default"]) and _positive(rec["speedup_bucketed"])
+
+
+def test_update_memory_smoke(tmp_path):
+    out = run_bench("update_memory", tmp_path)
+    rec = out["records"][0]
+    assert set(rec["variants"]) == set(out["variants"]) == {"plain", "chunked", "checkpointed", "both"}
+    for variant, r in rec["variants"].items():
+        assert _positive(r["before_mib"]) and r["peak_mib"] >= r["before_mib"] and _positive(r["seconds"]), variant
+
+
+def test_preempt_smoke(tmp_path):
+    rec = run_bench("preempt", tmp_path)["records"][0]
+    assert rec["exit_status"] == 75 and rec["stopped_after_step"] >= 2 and _positive(rec["checkpoint_mb"])
+    assert 0 < rec["signal_to_saved_s"] <= rec["signal_to_exit_s"]
+
+
+def test_startup_smoke(tmp_path):
+    out = run_bench("startup", tmp_path)
+    assert [(r["shard_ranks"], r["meta_device_init"]) for r in out["records"]] == [(-1, False), (-1, True)]
+    for rec in out["records"]:
+        assert rec["processes"] == 2 and len(rec["ranks"]) == 2
+        for stages in rec["ranks"]:
+            assert list(stages) == ["policy", "reference", "critic"]
+            for s in stages.values():
+                assert _positive(s["before_mib"]) and s["peak_mib"] >= s["before_mib"] and _positive(s["seconds"])
+
+
+def test_memory_smoke(tmp_path):
+    out = run_bench("memory", tmp_path)
+    assert out["variants"] == {"default": []} and out["experiment"] == "smoke"
+    rec = out["records"][0]
+    assert rec["processes"] == 2 and len(rec["per_rank"]) == 2 and rec["method"] in ("clear_refs", "sampling")
+    for phase in ("startup", "generate", "logprob", "update", "sync", "probe"):
+        assert _positive(rec["peak_rss_gib"][phase]), phase
+    assert rec["peak_rss_gib_max"] == max(rec["peak_rss_gib"].values())
+    for rank in rec["per_rank"]:
+        # the engine and the policy are measured inside start-up; steps call each phase once
+        assert {"imports", "startup:engine", "startup:policy"} <= set(rank["peak_rss"])
+        assert rank["calls"]["update"] == rank["calls"]["sync"] == 2
+        after = rank["end_of_phase"]["startup"]
+        assert 0 < after["anon"] <= after["rss"] and _positive(after["pss"])

@@ -1,0 +1,79 @@
+"""What a failing launch looks like under torchrun: one `distflow: error:` line on every rank and
+nothing loaded for a config or input mistake, a rank killed mid-run restarted by torchrun and
+resumed, a rank that raises failing the job with its own error, nodes launched with different
+overrides refused, Hydra's multirun refused under torchrun. The other config and data errors
+are checked in-process on 2 ranks (distributed/test_trainer_loop.py): these few prove the
+one-line, every-rank behaviour through the real entry point."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dist_helpers import free_port
+from launch_helpers import ROOT, assert_clean_failure, fail_run, read_metrics, torchrun
+
+RECIPES = ROOT / "recipes"
+
+BASE = ["experiment=smoke", "task.reward=rewards_for_tests:digit_fraction", "checkpoint.every=2"]
+
+
+def test_appended_unknown_config_key_fails_on_every_rank(tmp_path):
+    """Hydra's append syntax gets past its own schema check; distflow's does not."""
+    assert_clean_failure(fail_run(["+run.bogus_key=1"], tmp_path), "distflow: error: unknown config key run.bogus_key")
+
+
+def test_an_unknown_logger_stops_every_rank_before_any_weights_load(tmp_path):
+    proc = fail_run(["logging.loggers=[jsonl,bogus]"], tmp_path)
+    assert_clean_failure(proc, "distflow: error: logging.loggers must be one of console, jsonl, wandb, tensorboard; "
+                               "got 'bogus'")
+    assert not (tmp_path / "logs").exists()  # refused before anything was written
+
+
+def test_reward_that_does_not_import_fails_on_every_rank(tmp_path):
+    proc = fail_run(["task.reward=no_such_module_for_distflow:score"], tmp_path)
+    assert_clean_failure(proc, "distflow: error: task.reward 'no_such_module_for_distflow:score' cannot be imported")
+
+
+@pytest.mark.slow
+def test_killed_rank_is_restarted_and_resumes(tmp_path):
+    out = tmp_path / "run"
+    proc = torchrun([*BASE, "rollout=hf", f"run.output_dir={out}", "run.steps=4", "run.fault_inject=1:3"],
+                    torchrun_args=["--max-restarts=1", "--monitor-interval=1"], timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "resumed from step 2" in proc.stdout, proc.stdout[-3000:]
+    steps = [r["step"] for r in read_metrics(out)]
+    assert steps == [1, 2, 3, 4]  # each step exactly once, no gaps
+
+
+@pytest.mark.slow
+def test_raising_rank_fails_the_job_with_its_error(tmp_path):
+    proc = torchrun([*BASE, "rollout=hf", f"run.output_dir={tmp_path}", "run.steps=3",
+                     "run.fault_inject=1:2:raise", "run.collective_timeout_s=60"], timeout=240)
+    assert proc.returncode != 0
+    assert "distflow: rank 1 failed: RuntimeError: injected fault on rank 1 at step 2" in proc.stderr
+
+
+def test_multirun_under_torchrun_is_refused(tmp_path):
+    proc = torchrun(["-m", "experiment=smoke", f"run.output_dir={tmp_path}"], timeout=120)
+    assert proc.returncode != 0
+    assert "multirun (-m) is not supported under torchrun" in proc.stderr
+
+
+def test_nodes_launched_with_different_configs_are_refused(tmp_path):
+    # two "nodes" (one torchrun launcher each); the second got a stray override
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={i}",
+                          "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+                          "--rdzv_id=cfgcheck", str(RECIPES / "grpo.py"), "experiment=smoke", "rollout=hf",
+                          f"run.output_dir={tmp_path}", *extra],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i, extra in enumerate([[], ["run.seed=7"]])
+    ]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode != 0 for p in procs)
+    for _, err in outs:
+        assert "the resolved config differs between ranks" in err, err[-3000:]

@@ -1,0 +1,30 @@
+"""Compose a config exactly as recipes/grpo.py does, in-process: the recipe's Hydra schema and
+resolver, old key spellings renamed, the typed config built (unknown keys and bad choices raise)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from launch_helpers import ROOT
+
+RECIPES = ROOT / "recipes"
+_registered = False
+
+
+def compose(overrides: list[str]):
+    """The DistflowConfig a `recipes/grpo.py` command line builds (not yet validated)."""
+    global _registered
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from distflow.config import DistflowConfig, rename_overrides
+
+    if not _registered:  # registers the schema in Hydra's ConfigStore and the recipes_dir resolver
+        spec = importlib.util.spec_from_file_location("grpo_recipe", RECIPES / "grpo.py")
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        _registered = True
+    overrides, _ = rename_overrides(list(overrides))
+    with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
+        tree = hydra_compose("grpo", overrides=overrides)
+    return DistflowConfig.from_dict(OmegaConf.to_container(tree, resolve=True))

@@ -1,0 +1,41 @@
+"""The perturb-and-resync check shared by the weight-sync and tensor-parallel tests."""
+
+from __future__ import annotations
+
+import torch
+
+from distflow.rollout.weight_sync import full_parameters
+from distflow.sample import Sample
+from distflow.train.batch import TokenBatch
+
+
+def policy_logprobs(policy, seqs):
+    batch = TokenBatch.from_samples([Sample(s[:1], s[1:], [], False) for s in seqs], 0, torch.device("cpu"))
+    with torch.no_grad():
+        lp = policy.logprobs(batch)
+    return [lp[i, : len(s) - 1] for i, s in enumerate(seqs)]
+
+
+def max_diff(engine_lp, policy_lp):
+    """Max |engine - policy| logprob; every sequence must be answered in full (no vacuous match)."""
+    assert len(engine_lp) == len(policy_lp) > 0, (len(engine_lp), len(policy_lp))
+    for e, p in zip(engine_lp, policy_lp, strict=True):
+        assert len(e) == p.numel() > 0, (len(e), p.numel())
+    diffs = [(torch.tensor(e, dtype=torch.float32) - p).abs() for e, p in zip(engine_lp, policy_lp, strict=True)]
+    assert all(bool(torch.isfinite(d).all()) for d in diffs), diffs
+    return max(float(d.max()) for d in diffs)
+
+
+def perturb_and_resync(engine, policy, seqs, seed: int) -> tuple[float, float, float]:
+    """Max |engine - policy| logprob on `seqs` before a perturbation of every parameter shard (the
+    tied embedding too), after it, and after streaming the perturbed weights into the engine."""
+    before = max_diff(engine.prompt_logprobs(seqs), policy_logprobs(policy, seqs))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        for p in policy.model.parameters():
+            local = p.to_local()
+            local.add_(torch.randn(local.shape, generator=g) * 0.05)
+    stale = max_diff(engine.prompt_logprobs(seqs), policy_logprobs(policy, seqs))
+    engine.load_weights(full_parameters(policy.model, torch.float32, bucket_bytes=1 << 16))
+    after = max_diff(engine.prompt_logprobs(seqs), policy_logprobs(policy, seqs))
+    return before, stale, after

@@ -1,0 +1,57 @@
+"""Launch recipes/grpo.py under torchrun as a user would, for end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from dist_helpers import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+SUPPORT = Path(__file__).resolve().parent  # on the ranks' PYTHONPATH: rewards_for_tests, envs_for_tests
+# What rank 0 logs before the engine and the policy read their weights: a run that stops before it
+# has loaded nothing.
+LOADING = "distflow: loading weights:"
+
+
+def torchrun(overrides: list[str], nproc: int = 2, timeout: float = 600, extra_env: dict | None = None,
+             torchrun_args: list[str] | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")]))
+    env.update(extra_env or {})
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", *(torchrun_args or []),
+           str(ROOT / "recipes" / "grpo.py"), *overrides]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(output_dir) -> list[dict]:
+    with open(Path(output_dir) / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+VOLATILE = ("timing/", "throughput/")  # wall-clock dependent; everything else must match bitwise
+
+
+def stable_metrics(row: dict) -> dict:
+    """A metrics row without its wall-clock keys: what a bit-exact resume must reproduce."""
+    return {k: v for k, v in row.items() if not k.startswith(VOLATILE)}
+
+
+def fail_run(overrides: list[str], tmp_path) -> subprocess.CompletedProcess:
+    """The smoke experiment with `overrides` that must stop it. A slow monitor (15 s) lets every
+    rank reach its own error before torchrun stops the group, even on a loaded machine."""
+    return torchrun(["experiment=smoke", f"run.output_dir={tmp_path}", *overrides], timeout=180,
+                    torchrun_args=["--monitor-interval=15"])
+
+
+def assert_clean_failure(proc: subprocess.CompletedProcess, needle: str, ranks: int = 2,
+                         before_loading: bool = True) -> None:
+    """The run failed and every rank said `needle` (before_loading: and no weights were loaded)."""
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0, text[-3000:]
+    assert text.count(needle) >= ranks, f"expected {needle!r} from {ranks} ranks:\n{text[-5000:]}"
+    assert not before_loading or LOADING not in text, text[-3000:]

@@ -1,0 +1,31 @@
+"""Waiting made visible: the wait clock of distflow's collectives, the slowest rank found in the
+maxima's all-reduce, and the warning that names a rank slow for many steps."""
+
+
+from distflow.run.report import StragglerWatch, slowest_rank_code, with_compute
+
+
+def test_with_compute_subtracts_the_wait():
+    assert with_compute({"step": 5.0, "wait": 1.5})["compute"] == 3.5
+    assert with_compute({"step": 2.0}) == {"step": 2.0, "wait": 0.0, "compute": 2.0}
+
+
+def test_slowest_rank_code_orders_by_time_then_rank():
+    # one rank's view; the codes of two ranks compare by time first (world size 1 here: rank 0)
+    assert slowest_rank_code(1.2344) == 1234.0 and slowest_rank_code(0.0) == 0.0
+
+
+def test_straggler_watch_names_a_persistent_slow_rank_once_per_streak():
+    watch = StragglerWatch(3)
+    row = lambda rank, slow, fast: {"timing/slowest_rank": rank, "timing/compute_s": slow,  # noqa: E731
+                                    "timing/compute_min_s": fast}
+    assert [watch.observe(row(1, 2.0, 1.0)) for _ in range(2)] == [None, None]
+    note = watch.observe(row(1, 2.0, 1.0))
+    assert note.startswith("rank 1 was the slowest for 3 consecutive steps") and "2.00 s" in note
+    assert watch.observe(row(1, 2.0, 1.0)) is None  # once per streak
+    # another rank, or a difference within the noise margin, starts over
+    assert watch.observe(row(0, 2.0, 1.0)) is None and watch.streak == 1
+    assert watch.observe(row(0, 1.05, 1.0)) is None and watch.streak == 0
+    assert [watch.observe(row(0, 2.0, 1.0)) for _ in range(3)][-1] is not None
+    off = StragglerWatch(0)
+    assert all(off.observe(row(1, 9.0, 1.0)) is None for _ in range(10))
