@@ -35,11 +35,11 @@ def skewed_task(path, preamble_repeats: int, rows: int = 64) -> None:
             f.write(json.dumps({"prompt": f"{pad}What is {a} + {b}?", "answer": str(a + b)}) + "\n")
 
 
-def run(model: str, balance: bool, steps: int, s: dict, task, wd, tag: str, nproc: int) -> dict:
+def run(model: str, balance: bool, steps: int, s: dict, task, wd, tag: str, nproc: int, engine: str) -> dict:
     out = wd / f"{tag}"
     C.fresh(out)
     overrides = C.distflow_overrides(model, out, steps, s["prompts_per_rank"], s["group_size"], s["max_new_tokens"],
-                                     s["lr"], extra=[f"task.path={task}", "data.shuffle=false",
+                                     s["lr"], engine, extra=[f"task.path={task}", "data.shuffle=false",
                                                      "rollout.max_prompt_tokens=256",
                                                      f"run.balance_lengths={str(balance).lower()}",
                                                      f"optim.micro_batch_size={s['group_size']}"])
@@ -70,7 +70,8 @@ def main() -> None:
         for r in range(repeats):
             for balance in ((False, True) if r % 2 == 0 else (True, False)):
                 print(f"[balance] {model} balance={balance} repeat {r}", flush=True)
-                runs[balance].append(run(model, balance, steps, s, task, wd, f"{model}-{balance}-{r}", args.nproc))
+                runs[balance].append(run(model, balance, steps, s, task, wd, f"{model}-{balance}-{r}", args.nproc,
+                                         C.engine(args)))
         rec = {"model": model, "processes": args.nproc, "repeats": repeats, "measured_steps": steps - 1,
                "settings": s, "loadavg_1m": C.loadavg()}
         for balance, name in ((False, "off"), (True, "on")):

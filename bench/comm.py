@@ -104,7 +104,7 @@ def main() -> None:
             out, run_dir = wd / tag, wd / f"run-{tag}"
             C.fresh(out, run_dir)
             print(f"[comm] world size {w}, tensor_parallel_size {k}", flush=True)
-            overrides = ["experiment=smoke", f"model={model}", f"run.steps={steps}",
+            overrides = ["experiment=smoke", f"model={model}", f"rollout={C.engine(args)}", f"run.steps={steps}",
                          f"run.output_dir={run_dir}", "checkpoint.resume=never", f"rollout.tensor_parallel_size={k}",
                          "logging.plot_at_end=false", "logging.progress_bar=false"]
             C.torchrun(C.BENCH / "comm_entry.py", overrides, w, wd / f"{tag}.log",

@@ -127,6 +127,13 @@ def run(cmd: list[str], log: Path, timeout: float, env: dict | None = None) -> f
     return wall
 
 
+def engine(args) -> str:
+    """The rollout engine a benchmark's recipe runs use: vLLM, as in training; --smoke runs (the
+    tests' check that the script works) use transformers generate, which starts in a fraction of
+    vLLM's time, wherever the engine is not what the benchmark measures."""
+    return "hf" if args.smoke else "vllm"
+
+
 def distflow_overrides(model: str, out_dir: Path, steps: int, prompts_per_rank: int, group_size: int,
                        max_new_tokens: int, lr: float, engine: str = "vllm", extra: list[str] | None = None) -> list[str]:
     """recipes/grpo.py overrides for a benchmark run: one optimizer step per rollout, one forward

@@ -46,7 +46,7 @@ def main() -> None:
             C.fresh(out, peak_file)
             print(f"[flops] {model} nproc={nproc}", flush=True)
             overrides = C.distflow_overrides(model, out, measured + 1, max(1, s["prompts_per_step"] // nproc),
-                                             s["group_size"], s["max_new_tokens"], s["lr"])
+                                             s["group_size"], s["max_new_tokens"], s["lr"], C.engine(args))
             C.torchrun(C.BENCH / "flops_entry.py", overrides, nproc, wd / f"{model}-n{nproc}.log",
                        extra_env={**env, "DISTFLOW_FLOPS_OUT": str(peak_file)})
             peak_rec = json.loads(peak_file.read_text())

@@ -156,7 +156,7 @@ def main() -> None:
                 out, run_dir = wd / tag, wd / f"run-{tag}"
                 C.fresh(out, run_dir)
                 hydra, env = split_env(overrides)
-                cmd = [f"experiment={experiment}", f"model={model}", f"run.steps={steps}",
+                cmd = [f"experiment={experiment}", f"model={model}", f"rollout={C.engine(args)}", f"run.steps={steps}",
                        f"run.output_dir={run_dir}", "checkpoint.resume=never", "logging.plot_at_end=false",
                        "logging.progress_bar=false", *args.overrides.split(), *hydra]
                 print(f"[memory] {tag}: {' '.join(overrides) or '(no overrides)'}", flush=True)

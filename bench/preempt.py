@@ -18,7 +18,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from common import ROOT, bench_env, fresh, loadavg, machine, models, parser, stats, table, work_dir, write_json
+from common import ROOT, bench_env, engine, fresh, loadavg, machine, models, parser, stats, table, work_dir, write_json
 
 EXPERIMENT = {  # the smoke run, and the demo without its evaluations
     "tiny": ["experiment=smoke"],
@@ -37,10 +37,10 @@ def _saved_at(out: Path) -> float:
     return stamp.timestamp()
 
 
-def measure(model: str, work: Path, signal_after: int) -> dict:
+def measure(model: str, work: Path, signal_after: int, engine: str) -> dict:
     out, log = work / f"{model}-run", work / f"{model}.log"
     fresh(out)
-    args = [*EXPERIMENT[model], "run.steps=1000", f"run.output_dir={out}", "checkpoint.resume=never",
+    args = [*EXPERIMENT[model], f"rollout={engine}", "run.steps=1000", f"run.output_dir={out}", "checkpoint.resume=never",
             "logging.progress_bar=false", "logging.plot_at_end=false"]
     env = bench_env(2, {"PYTHON": os.environ.get("PYTHON", str(ROOT / ".venv" / "bin" / "python"))})
     with open(log, "w") as f:
@@ -77,7 +77,7 @@ def main() -> None:
     p.add_argument("--signal-after", type=int, default=2, help="send SIGTERM once this many steps are logged")
     args = p.parse_args()
     work = work_dir(args, "preempt")
-    records = [measure(m, work, args.signal_after) for m in models(args)]
+    records = [measure(m, work, args.signal_after, engine(args)) for m in models(args)]
     print(table(["model", "exit", "stop step", "step s", "to step end s", "to saved s", "to exit s", "ckpt MB"],
                 [[r["model"], r["exit_status"], r["stopped_after_step"], r["step_s"]["median"],
                   r["signal_to_step_end_s"], r["signal_to_saved_s"], r["signal_to_exit_s"], r["checkpoint_mb"]]

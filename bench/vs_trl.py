@@ -27,11 +27,11 @@ DEFAULT_RUNS = {"tiny": dict(repeats=3, steps=4), "smollm2_135m": dict(repeats=2
 GOALS = {"tiny": 1.5, "smollm2_135m": 2.5}
 
 
-def run_distflow(model: str, nproc: int, steps: int, s: dict, wd, tag: str) -> dict:
+def run_distflow(model: str, nproc: int, steps: int, s: dict, wd, tag: str, engine: str) -> dict:
     out = wd / f"distflow-{tag}"
     C.fresh(out)
     overrides = C.distflow_overrides(model, out, steps, s["prompts_per_step"] // nproc, s["group_size"],
-                                     s["max_new_tokens"], s["lr"])
+                                     s["max_new_tokens"], s["lr"], engine)
     wall = C.torchrun(C.GRPO, overrides, nproc, wd / f"distflow-{tag}.log")
     ms = C.read_metrics(out)
     assert len(ms) == steps, f"{out}: {len(ms)} logged steps, expected {steps}"
@@ -86,7 +86,7 @@ def main() -> None:
                 for who in order:
                     print(f"[vs_trl] {model} nproc={nproc} repeat {r + 1}/{repeats}: {who}", flush=True)
                     load = C.loadavg()
-                    res[who] = (run_distflow(model, nproc, measured + 1, s, wd, tag) if who == "distflow"
+                    res[who] = (run_distflow(model, nproc, measured + 1, s, wd, tag, C.engine(args)) if who == "distflow"
                                 else run_trl(path, nproc, measured + 1, s, wd, tag))
                     res[who]["loadavg_1m"] = [load, C.loadavg()]  # machine load (others' jobs) before / after
                 res["ratio"] = res["distflow"]["tokens_per_s"] / res["trl"]["tokens_per_s"]

@@ -142,7 +142,7 @@ def test_bad_environment_specs_are_one_line_config_errors():
     with pytest.raises(ConfigError, match="cannot be imported"):  # before any worker process starts
         RewardPool("numeric", workers=2, timeout_s=1.0, env="no_such_module:Env")
     cfg = DistflowConfig()
-    cfg.rollout.max_turns = 2
+    cfg.task.path, cfg.rollout.max_turns = "data.jsonl", 2
     with pytest.raises(ConfigError, match="needs an environment"):
         cfg.validate()
 

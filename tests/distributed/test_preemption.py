@@ -1,5 +1,5 @@
 """The step boundary on real gloo ranks: a save that one rank's clock makes due, or a signal that one
-rank alone received, is the same decision on every rank (end to end: e2e/test_preemption.py)."""
+rank alone received, is the same decision on every rank (end to end: e2e/test_preemption_runs.py)."""
 
 import os
 import signal

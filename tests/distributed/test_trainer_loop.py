@@ -7,7 +7,8 @@ trainer's start-up (a second or two), not a torchrun launch. The cases:
 - KL, entropy, truncated IS and dual-clip together; DAPO's dynamic sampling with a rank that keeps
   nothing, and with every group filtered out;
 - PPO's critic warm-up, and a PPO run stopped at step 2 and continued that equals one run straight
-  through (critic, optimizers and schedules restored bit for bit);
+  through (critic, optimizers and schedules restored bit for bit); launched again it has nothing
+  to train, and another run (another seed) in its folder is refused;
 - a reward that hangs; length balancing on a skewed task; a rank that lags behind (the wait clock
   and the straggler warning); NaN losses for too many steps; training on the CPU of a machine
   that shows GPUs;
@@ -79,6 +80,8 @@ def cases(tmp: Path) -> list[tuple[str, str, list[str], dict]]:
         ("ppo_straight", "ppo_straight", [*ppo, "run.steps=4"], {}),
         ("ppo_first_half", "ppo_split", [*ppo, "run.steps=2"], {}),
         ("ppo_continued", "ppo_split", [*ppo, "run.steps=4", "checkpoint.resume=force"], {}),
+        ("ppo_again", "ppo_split", [*ppo, "run.steps=4"], {}),  # finished: nothing to train
+        ("ppo_other_seed", "ppo_split", [*ppo, "run.steps=4", "run.seed=1"], {}),  # another run, same folder
         ("hanging_reward", "hanging_reward", ["task.reward=rewards_for_tests:hang_sometimes",
                                               "task.reward_timeout_s=1"], {}),
         ("balance_off", "balance_off", [*balance, "run.balance_lengths=false"], {}),
@@ -137,6 +140,7 @@ def _environment(env: dict):
 
 def _run_one(overrides: list[str], out: Path, env: dict) -> dict:
     from distflow.config import ConfigError
+    from distflow.run.resume import RunComplete
     from distflow.trainer import RunAborted, Trainer
 
     with _environment(env):
@@ -145,6 +149,8 @@ def _run_one(overrides: list[str], out: Path, env: dict) -> dict:
             trainer = Trainer(cfg)
         except ConfigError as e:
             return {"outcome": "refused", "message": str(e)}
+        except RunComplete as e:
+            return {"outcome": "complete", "message": str(e)}
         try:
             trainer.train()
             result = {"outcome": "trained"}
@@ -253,6 +259,16 @@ def test_ppo_critic_warmup_and_a_bit_exact_resume(runs):
     assert [stable_metrics(r) for r in a] == [stable_metrics(r) for r in b]
 
 
+def test_a_finished_run_is_not_retrained_and_another_run_is_refused(runs):
+    again, other = runs["ppo_again"], runs["ppo_other_seed"]
+    assert again["outcome"] == "complete" and again["ranks"] == [again["message"]] * 2
+    assert "already at step 4 of run.steps=4; nothing to train" in again["message"]
+    assert again["rows"] == runs["ppo_continued"]["rows"]  # metrics.jsonl untouched
+    assert other["outcome"] == "refused" and other["ranks"] == [other["message"]] * 2
+    assert "holds a different run (run.seed: 0 -> 1)" in other["message"]
+    assert other["log"] == again["log"]  # refused before anything was written
+
+
 def test_a_hanging_reward_costs_at_most_its_timeout_per_call(runs):
     """rewards_for_tests:hang_sometimes never returns on ~1 completion in 6. With a 1 s timeout the run
     finishes, the hangs are counted, and each step's reward time stays within the timeout per hang."""
@@ -311,7 +327,9 @@ def test_run_device_cpu_trains_on_a_machine_that_shows_gpus(runs):
 
 def test_a_fresh_start_sets_an_earlier_lora_and_wandb_run_aside_and_nothing_else(runs):
     earlier = _trained(runs, "lora_wandb", steps=1)
-    assert earlier and "summary.json" in runs["lora_wandb"]["files"]
+    # the engine got base + adapters merged: it computes what the LoRA policy computes
+    assert earlier[0]["sync/max_abs_logprob_diff"] <= 1e-5 and earlier[0]["grad_norm"] > 0, earlier
+    assert "summary.json" in runs["lora_wandb"]["files"]
     written = [f for f in runs["before_fresh"] if f not in FOREIGN]
     for artifact in (".distflow-run", "config.json", "metrics.jsonl", "summary.json", "training.png", "wandb_run_id",
                      "logs/rank_0.log", "logs/rank_1.log", "hf_model/model.safetensors",

@@ -2,7 +2,8 @@
 
 Real gloo ranks, a real FSDP2 policy and a real engine per rank. The check can fail both ways:
 before the resync the engine must disagree (the perturbation is visible), after it the engine
-logprobs must equal the policy's on the same token ids (fp32, max abs 1e-5).
+logprobs must equal the policy's on the same token ids (fp32, max abs 1e-5), also on the longest
+sequence the trainer's probe resubmits (a full-length prompt plus a response cut at max_new_tokens).
 """
 
 import importlib.util
@@ -12,7 +13,7 @@ import torch
 
 from dist_helpers import gathered, run_distributed
 from engine_helpers import perturb_and_resync
-from distflow.rollout.weight_sync import full_parameters
+from distflow.rollout.weight_sync import full_parameters, max_logprob_diff
 from distflow.config import DistflowConfig
 from distflow.train.batch import TokenBatch
 from distflow.distributed.layout import ParallelLayout
@@ -38,8 +39,14 @@ def _worker(rank, world, model_dir, engine_name):
     assert logits.shape[0] == start + len(sample.response_ids), (logits.shape, start, len(sample.response_ids))
     # every generated token, the last one (EOS or the max_new_tokens-th) included
     policy_greedy = [int(logits[start - 1 + i].argmax()) for i in range(len(sample.response_ids))]
+    # the longest sequence the probe resubmits: a prompt of exactly rollout.max_prompt_tokens (the data
+    # keeps it: unit/test_data.py) and a response cut at max_new_tokens, as one prompt of the engine
+    g = torch.Generator().manual_seed(rank)
+    longest = torch.randint(3, 200, (cfg.rollout.max_prompt_tokens,), generator=g).tolist()
+    cut = engine.generate([longest], 1, [1])[0][0]
+    probe = max_logprob_diff(engine, policy, [longest + cut.response_ids], 0)
     every_rank = gathered({"before": before, "stale": stale, "after": after, "response": list(sample.response_ids),
-                           "policy_greedy": policy_greedy})
+                           "policy_greedy": policy_greedy, "longest": (len(longest), cut.truncated, probe)})
     engine.shutdown()
     return every_rank
 
@@ -56,6 +63,8 @@ def test_resync_makes_engine_match_policy(tiny_model_dir, engine_name):
         # a one-token response would only check the first step: the comparison needs several
         assert len(r["response"]) > 1, r
         assert r["response"] == r["policy_greedy"], r
+        length, truncated, probe = r["longest"]
+        assert length == 256 and truncated and probe <= 1e-5, r["longest"]
 
 
 def _gather_bytes_worker(rank, world, model_dir):

@@ -1,43 +1,38 @@
 """Every command the README and the docs/ pages show, as a new user would type it.
 
 CPU lines (`.venv/bin/torchrun`, `launch/local.sh`) run, shortened to one step, from a fresh
-working folder that holds the README's own `my_rewards.py` (so a reward module beside the user is
-importable under torchrun, as the README says). GPU lines (`.venv-gpu/bin/torchrun`) are
+working folder that holds the docs' own `my_rewards.py` (so a reward module beside the user is
+importable under torchrun, as the docs say); the few that another e2e test launches itself, with
+many more checks (RUN_ELSEWHERE), run there instead. GPU lines (`.venv-gpu/bin/torchrun`) are
 composed: the config they build must validate and resolve on CUDA to the documented defaults.
 sbatch lines run the real template against a fake allocation (stub srun, a stand-in GPU python)
 and the torchrun command it builds is composed the same way. make lines are dry-run (`make -n`).
 """
 
 import json
-import os
 import re
 import shlex
 import subprocess
-from pathlib import Path
 
 import pytest
 
+from docs_helpers import doc_commands, run_doc_command
 from launch_helpers import ROOT
 
 KINDS = {"make": "make ", "cpu": (".venv/bin/torchrun", "launch/local.sh"), "gpu": ".venv-gpu/bin/torchrun",
          "sbatch": "sbatch "}
 
 
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-
-
-def _pages() -> str:
-    return "\n".join(page.read_text() for page in PAGES)
+# Commands another e2e test runs as its own launch, with many more checks than one step here.
+RUN_ELSEWHERE = {
+    ".venv/bin/torchrun --standalone --nproc_per_node=2 recipes/grpo.py experiment=smoke": "e2e/test_smoke.py",
+    "launch/local.sh 2 experiment=smoke": "e2e/test_smoke.py",
+    ".venv/bin/torchrun --standalone --nproc_per_node=2 recipes/grpo.py experiment=tools_smoke": "e2e/test_tools_runs.py",
+}
 
 
 def readme_commands() -> list[str]:
-    """Every command line of the bash blocks of every page (continuation lines joined, comments dropped)."""
-    commands = []
-    for block in re.findall(r"```bash\n(.*?)```", _pages(), re.S):
-        joined = re.sub(r"\\\n\s*", " ", block)
-        commands += [line.split("  #")[0].strip() for line in joined.splitlines()
-                     if line.strip() and not line.lstrip().startswith("#")]
-    return commands
+    return doc_commands()
 
 
 ENV_PREFIX = re.compile(r"^(?:[A-Z_]+=\S*\s+)*")  # VAR=value ... before the command
@@ -57,6 +52,11 @@ def test_every_readme_command_is_checked_here():
     assert [c for c in commands if kind(c) == "unknown"] == []
     assert {"make demo", "make test", "make install-gpu", "make gpu-check"} <= set(commands)
     assert len(of_kind("cpu")) >= 6 and len(of_kind("gpu")) >= 1 and len(of_kind("sbatch")) >= 2
+    # the commands run elsewhere are shown, and those tests use them (docs_helpers.doc_command)
+    assert set(RUN_ELSEWHERE) <= set(of_kind("cpu"))
+    for command, test in RUN_ELSEWHERE.items():
+        text = (ROOT / "tests" / test).read_text()
+        assert "doc_command(" in text and command in text, (command, test)
 
 
 @pytest.mark.parametrize("command", of_kind("make"))
@@ -65,31 +65,11 @@ def test_readme_make_target_exists(command):
     assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr
 
 
-def _pythonpath() -> str:
-    """This checkout's PYTHONPATH with relative entries made absolute (the commands run elsewhere)."""
-    return os.pathsep.join(str(Path(p).resolve()) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)
-
-
-def _user_folder(tmp_path) -> Path:
-    """A folder a user launches from: the repo's entry points, and the README's my_rewards.py."""
-    work = tmp_path / "work"
-    work.mkdir()
-    for name in (".venv", "recipes", "launch"):
-        (work / name).symlink_to(ROOT / name)
-    module = next(b for b in re.findall(r"```python\n(.*?)```", _pages(), re.S) if b.startswith("# my_rewards.py"))
-    (work / "my_rewards.py").write_text(module)
-    return work
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("command", of_kind("cpu"))
+@pytest.mark.parametrize("command", [c for c in of_kind("cpu") if c not in RUN_ELSEWHERE])
 def test_readme_cpu_command_runs(command, tmp_path):
-    work = _user_folder(tmp_path)
-    args = shlex.split(command)
     out = tmp_path / "out"
-    args += ["run.steps=1", f"run.output_dir={out}", "logging.plot_at_end=false"]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=_pythonpath())
-    proc = subprocess.run(args, cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_doc_command(command, ["run.steps=1", f"run.output_dir={out}", "logging.plot_at_end=false"], tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1

@@ -1,8 +1,9 @@
-"""End to end with vLLM, as a user runs it: `torchrun --nproc_per_node=2 recipes/grpo.py experiment=smoke`.
+"""End to end with vLLM, as a user runs it: the README's smoke commands.
 
-One run straight through checks what a healthy run writes and shows; a second run, stopped at
-step 2 (spelled with the old trainer.* keys) and continued to step 4, must equal it bit for bit,
-and the checkpoint's CLI export must equal the end-of-run export.
+The README's torchrun line, run straight through, checks what a healthy run writes and shows;
+the docs' launch/local.sh line starts a second run (spelled with the old trainer.* keys), which
+stops at step 2 and is continued to step 4: it must equal the first bit for bit, and the
+checkpoint's CLI export must equal the end-of-run export.
 """
 
 import importlib.util
@@ -14,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from launch_helpers import ROOT, read_metrics, stable_metrics, torchrun
+from docs_helpers import doc_command, run_doc_command
+from launch_helpers import ROOT, read_metrics, stable_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")]
@@ -24,11 +26,13 @@ REQUIRED_KEYS = [
     "timing/logprob_s", "timing/update_s", "timing/sync_s", "timing/step_s", "throughput/tokens_per_s",
     "sync/max_abs_logprob_diff", "loss/policy", "grad_norm", "lr",
 ]
-BASE = ["experiment=smoke", "task.reward=rewards_for_tests:digit_fraction", "checkpoint.every=2"]
+TORCHRUN = doc_command(".venv/bin/torchrun --standalone --nproc_per_node=2 recipes/grpo.py experiment=smoke")
+LOCAL_SH = doc_command("launch/local.sh 2 experiment=smoke")
+EXTRA = ["task.reward=rewards_for_tests:digit_fraction", "checkpoint.every=2"]
 
 
-def _run(*overrides):
-    proc = torchrun([*BASE, *overrides])
+def _run(command, tmp, *overrides):
+    proc = run_doc_command(command, [*EXTRA, *overrides], tmp)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
@@ -37,10 +41,12 @@ def _run(*overrides):
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("smoke")
     straight, split = tmp / "straight", tmp / "split"
-    procs = {"straight": _run(f"run.output_dir={straight}", "run.steps=4", "checkpoint.export_at_end=true"),
-             "first_half": _run(f"trainer.output_dir={split}", "trainer.steps=2"),  # the old spellings still work
-             "continued": _run(f"run.output_dir={split}", "run.steps=4", "checkpoint.export_at_end=true",
-                               "checkpoint.resume=force")}  # more steps than the checkpoint's run: asked for
+    procs = {"straight": _run(TORCHRUN, tmp, f"run.output_dir={straight}", "run.steps=4", "checkpoint.export_at_end=true"),
+             # the old spellings still work
+             "first_half": _run(LOCAL_SH, tmp, f"trainer.output_dir={split}", "trainer.steps=2"),
+             # more steps than the checkpoint's run: asked for
+             "continued": _run(TORCHRUN, tmp, f"run.output_dir={split}", "run.steps=4", "checkpoint.export_at_end=true",
+                               "checkpoint.resume=force")}
     return tmp, procs
 
 
@@ -94,28 +100,3 @@ def test_a_stopped_run_continues_bit_exact_and_exports_the_same_weights(runs, tm
     wc = load_file(cli / "model.safetensors")
     assert all(torch.equal(wa[k], wc[k]) for k in wa)
     assert (cli / "tokenizer.json").is_file() and (cli / "chat_template.jinja").is_file()
-
-
-def test_full_length_prompt_and_truncated_response_pass_the_probe(tmp_path, tiny_model_dir):
-    """A prompt of exactly rollout.max_prompt_tokens (kept), a response cut at max_new_tokens, and
-    the probe on every step: the probe resubmits prompt + response to vLLM as one prompt."""
-    from transformers import AutoTokenizer
-
-    from distflow.config import TaskConfig
-    from distflow.data.prompts import load_prompts
-
-    data = tmp_path / "one.jsonl"
-    data.write_text('{"prompt": "Add 12 and 30, then say the sum.", "answer": "42"}\n' * 4)
-    items = load_prompts(TaskConfig(path=str(data)), AutoTokenizer.from_pretrained(tiny_model_dir), 10**6)
-    limit = len(items[0].prompt_ids)
-    out = tmp_path / "run"
-    proc = torchrun(["experiment=smoke", "rollout=vllm", f"model.path={tiny_model_dir}", "task=jsonl",
-                     f"task.path={data}", "task.reward=rewards_for_tests:digit_fraction",
-                     f"rollout.max_prompt_tokens={limit}", "rollout.max_new_tokens=8", "run.steps=2",
-                     "run.sync_probe_every=1", "run.sync_probe_seqs=8", "logging.plot_at_end=false",
-                     f"run.output_dir={out}"], nproc=1)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [1, 2]
-    assert all(r["response/truncated_frac"] > 0 for r in rows), rows  # some responses hit the limit
-    assert all(r["sync/max_abs_logprob_diff"] <= 1e-5 for r in rows), rows

@@ -1,20 +1,22 @@
-"""Multi-turn tool episodes end to end: `experiment=tools_smoke` on 2 ranks with vLLM, where a
-scripted environment makes every episode a real calculator round trip (tests/envs_for_tests.py);
-a bit-exact resume mid-run; an environment that does not import stops every rank before any
-model loads."""
+"""Multi-turn tool episodes end to end: the docs' `experiment=tools_smoke` command on 2 ranks with
+vLLM, where a scripted environment makes every episode a real calculator round trip
+(tests/support/envs_for_tests.py), and a bit-exact resume mid-run. (An environment that does not
+import stops every rank before any model loads: distributed/test_trainer_loop.py.)"""
 
 import shutil
 
 import pytest
 
-from launch_helpers import read_metrics, stable_metrics, torchrun
+from docs_helpers import doc_command, run_doc_command
+from launch_helpers import read_metrics, stable_metrics
 
-TOOLS = ["experiment=tools_smoke", "task.env=envs_for_tests:ScriptedToolEnv",
-         "task.reward=rewards_for_tests:digit_fraction", "run.steps=4"]
+COMMAND = doc_command(".venv/bin/torchrun --standalone --nproc_per_node=2 recipes/grpo.py experiment=tools_smoke")
+TOOLS = ["task.env=envs_for_tests:ScriptedToolEnv", "task.reward=rewards_for_tests:digit_fraction", "run.steps=4"]
 
 
 def _run(out, *extra):
-    proc = torchrun([*TOOLS, f"run.output_dir={out}", *extra])
+    """The docs' tools_smoke command, with a scripted environment that makes every episode a real round trip."""
+    proc = run_doc_command(COMMAND, [*TOOLS, f"run.output_dir={out}", *extra], out.parent)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 

@@ -32,63 +32,15 @@ MARKER = ".distflow-run"
 
 class RunDir:
     def __init__(self, root: str | Path):
-        self.root = Path(root)
-
-    # ------------------------------------------------------------------ the artifacts
-    @property
-    def marker(self) -> Path:
-        return self.root / MARKER
-
-    @property
-    def config(self) -> Path:
-        return self.root / "config.json"
-
-    @property
-    def metrics(self) -> Path:
-        return self.root / "metrics.jsonl"
-
-    @property
-    def summary(self) -> Path:
-        return self.root / "summary.json"
-
-    @property
-    def plot(self) -> Path:
-        return self.root / "training.png"
-
-    @property
-    def logs(self) -> Path:
-        return self.root / "logs"
+        self.root = r = Path(root)
+        self.marker, self.config, self.metrics = r / MARKER, r / "config.json", r / "metrics.jsonl"
+        self.summary, self.plot, self.logs = r / "summary.json", r / "training.png", r / "logs"
+        self.checkpoints, self.hf_model, self.adapter = r / "checkpoints", r / "hf_model", r / "adapter"
+        self.wandb, self.wandb_run_id, self.tensorboard = r / "wandb", r / "wandb_run_id", r / "tb"
+        self.previous = r / "previous"
 
     def rank_log(self, rank: int) -> Path:
         return self.logs / f"rank_{rank}.log"
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.root / "checkpoints"
-
-    @property
-    def hf_model(self) -> Path:
-        return self.root / "hf_model"
-
-    @property
-    def adapter(self) -> Path:
-        return self.root / "adapter"
-
-    @property
-    def wandb(self) -> Path:
-        return self.root / "wandb"
-
-    @property
-    def wandb_run_id(self) -> Path:
-        return self.root / "wandb_run_id"
-
-    @property
-    def tensorboard(self) -> Path:
-        return self.root / "tb"
-
-    @property
-    def previous(self) -> Path:
-        return self.root / "previous"
 
     def artifacts(self) -> list[Path]:
         """The artifacts present now, the marker last (a set-aside cut short still marks the folder)."""

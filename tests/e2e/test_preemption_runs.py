@@ -1,8 +1,7 @@
 """Preemption end to end, through launch/local.sh and real torchrun: a signal to one rank or to
 the torchrun agent saves one step on every rank and exits 75; relaunches resume on 2 -> 1 -> 2
 ranks; a rank killed in the middle of a checkpoint write leaves the previous checkpoint in
-charge; every step is logged once and every item of an epoch is seen once. Then the rules for
-relaunching a finished run. (The decision itself, on gloo ranks: distributed/test_preemption.py.)"""
+charge; every step is logged once and every item of an epoch is seen once. (The decision itself, on gloo ranks: distributed/test_preemption.py.)"""
 
 import json
 import os
@@ -142,18 +141,4 @@ def test_signals_stop_all_ranks_at_one_step_and_relaunches_resume_on_other_world
         epochs[epoch].append(index)
     assert len(epochs) >= 2 and all(sorted(epochs[e]) == list(range(ITEMS)) for e in sorted(epochs)[:-1])
     assert len(drawn) == 4 * (STEPS - (k2 - k1)) + 2 * (k2 - k1)  # 2 ranks x 2 prompts, or 1 x 2
-
-    # 5. the same command again: the run is complete, nothing is trained
-    before = (out / "metrics.jsonl").read_text()
-    rc, log = Launch(2, out).finish()
-    assert rc == 0 and f"already at step {STEPS} of run.steps={STEPS}; nothing to train" in log, log[-3000:]
-    assert (out / "metrics.jsonl").read_text() == before
-
-    # 6. another seed in the same folder is another run: one line, before any model loads
-    rc, log = Launch(2, out, "run.seed=1").finish()
-    assert rc != 0 and "holds a different run (run.seed: 0 -> 1)" in log, log[-3000:]
-
-    # 7. more steps, asked for: the finished run continues
-    rc, log = Launch(2, out, f"run.steps={STEPS + 1}", "checkpoint.resume=force").finish()
-    assert rc == 0 and "run.steps: 12 -> 13" in log, log[-3000:]
-    assert [r["step"] for r in read_metrics(out)] == list(range(1, STEPS + 2))
+    # (relaunching the finished run, or another run into its folder: distributed/test_trainer_loop.py)
