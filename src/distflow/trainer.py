@@ -31,7 +31,7 @@ from distflow.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, dynamic_s
 from distflow.config import DistflowConfig, config_record
 from distflow.data import ShardedSampler, load_prompts
 from distflow.distributed import all_reduce, barrier, init_distributed, on_local_rank0_first, shutdown, waited_s
-from distflow.distributed.devices import resolve_auto
+from distflow.distributed.devices import dtype_line, resolve_auto
 from distflow.distributed.hostmem import limit_malloc_retention
 from distflow.distributed.layout import ParallelLayout
 from distflow.models import resolve_model_path
@@ -82,6 +82,7 @@ class Trainer:
         limit_malloc_retention(r.host_mmap_threshold_kib)  # before any model or engine allocates
         # Order matters: process group, then engine (reuses it), then the FSDP models.
         self.dist = init_distributed(r.backend, r.device, r.collective_timeout_s)
+        dtype_note = dtype_line(cfg.model.dtype, self.dist.device)
         self.cfg = cfg = resolve_auto(cfg, self.dist.device)  # dtype, eager mode, shard degree for the device
         self.run_dir = RunDir(r.output_dir)
         self.plan = agree_on_plan(cfg, self.dist)  # before anything is written or loaded: may stop here
@@ -92,8 +93,7 @@ class Trainer:
         setup_output(self.run_dir.rank_log(self.dist.rank), self.dist.rank, cfg.logging.level)
         for note in self.plan.warnings:
             log.warning(note)
-        log.info(f"{self.dist.world_size} rank(s) on {self.dist.device.type} ({self.dist.backend}), "
-                 f"model dtype {cfg.model.dtype}")
+        log.info(f"{self.dist.world_size} rank(s) on {self.dist.device.type} ({self.dist.backend}), {dtype_note}")
         self.layout = ParallelLayout.from_config(cfg.model, self.dist, cfg.rollout.tensor_parallel_size)
         save_config(cfg, self.run_dir.config, write=self.dist.is_main)
         random.seed(r.seed)

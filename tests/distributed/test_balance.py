@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from dist_helpers import run_distributed
 from grad_helpers import assert_grads_close
+from config_helpers import fp32_config
 from distflow import distributed as dd
 from distflow.rollout.balance import balance_groups, balanced_assignment, exchange
 
@@ -186,14 +187,13 @@ def test_balance_groups_gloo(world):
 
 def _gradient_worker(rank: int, world: int, model_dir: str) -> dict:
     from grad_helpers import full_grads, update_batch
-    from distflow.config import DistflowConfig
     from distflow.distributed.layout import ParallelLayout
     from distflow.train.policy import Policy
     from distflow.sample import Sample
     from distflow.train.update import backward_policy_loss
 
     torch.manual_seed(0)
-    cfg = DistflowConfig()
+    cfg = fp32_config()
     cfg.optim.micro_batch_size = 3
     policy = Policy(model_dir, cfg.model, cfg.optim, ParallelLayout.current(cfg.model))
     g = torch.Generator().manual_seed(11 + rank)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from dist_helpers import run_distributed
-from distflow.config import ConfigError, DistflowConfig, config_record
+from config_helpers import fp32_config
+from distflow.config import ConfigError, config_record
 from distflow.run.checkpoint import FORMAT, MARKER, POLICY, Checkpointer, ModelOptimState, latest_checkpoint
 from distflow.distributed.layout import ParallelLayout
 from distflow.train.policy import Policy
@@ -37,7 +38,7 @@ def _checkpointer(out, rank, policy, keep_last):
 
 
 def _save_two(rank, world, model_dir, out):
-    cfg = DistflowConfig()
+    cfg = fp32_config()
     policy = Policy(model_dir, cfg.model, cfg.optim, ParallelLayout.current(cfg.model))
     ck = _checkpointer(out, rank, policy, keep_last=5)
     for step in (1, 2, 3):
@@ -85,7 +86,7 @@ IDS = [[1, 5, 9, 33, 70, 2]]
 
 
 def _save_perturbed(rank, world, model_dir, ckpt_root):
-    cfg = DistflowConfig()
+    cfg = fp32_config()
     policy = Policy(model_dir, cfg.model, cfg.optim, ParallelLayout.current(cfg.model))
     with torch.no_grad():  # make the live weights differ from the base model
         for p in policy.model.parameters():

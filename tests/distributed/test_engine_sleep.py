@@ -15,6 +15,7 @@ from dist_helpers import run_distributed
 from distflow.config import ConfigError, RolloutConfig
 from distflow.rollout.vllm_engine import VLLMEngine, check_platform, max_model_len
 from launch_helpers import ROOT
+from config_helpers import fp32_config
 
 
 class RecordingLLM:
@@ -125,12 +126,11 @@ class RecordingEngine:
 
 def _train_two_steps(rank, world, out):
     import distflow.trainer as T
-    from distflow.config import DistflowConfig
 
     calls = []
     real = T.build_engine
     T.build_engine = lambda *a, **k: RecordingEngine(real(*a, **k), calls)
-    cfg = DistflowConfig()
+    cfg = fp32_config()
     cfg.rollout.engine, cfg.rollout.max_new_tokens = "hf", 8
     cfg.task.path, cfg.task.reward = str(ROOT / "recipes" / "data" / "arith.jsonl"), "numeric"
     cfg.run.steps, cfg.run.output_dir, cfg.run.sync_probe_every = 2, f"{out}/run", 1

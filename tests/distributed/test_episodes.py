@@ -16,11 +16,12 @@ from transformers import AutoTokenizer
 from dist_helpers import run_distributed
 from grad_helpers import assert_grads_close, full_grads, update_batch
 from launch_helpers import ROOT
+from config_helpers import fp32_config
 from distflow.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs
 from distflow.algorithms.advantages import discounted_returns, gae
 from distflow.rollout.balance import balance_groups
 from distflow.train.batch import UpdateBatch, pad_rows
-from distflow.config import ConfigError, DistflowConfig, RolloutConfig, TaskConfig
+from distflow.config import ConfigError, RolloutConfig, TaskConfig
 from distflow.data.prompts import load_prompts
 from distflow.envs import ToolEnv, build_env
 from distflow.rollout.episodes import EpisodeRunner, ObservationEncoder
@@ -71,7 +72,7 @@ def test_gae_and_returns_run_over_generated_tokens_only():
         torch.testing.assert_close(returns[i, keep], discounted_returns(rewards[i:i + 1, keep], torch.ones(1, k), 0.9)[0])
     # the outcome reward lands on the last generated token, also when observations follow it
     inputs = AdvantageInputs(torch.tensor([1.0, 2.0, 3.0]), torch.zeros(3, 8), mask, values * mask)
-    cfg = DistflowConfig().algorithm
+    cfg = fp32_config().algorithm
     cfg.group_size, cfg.gamma, cfg.eps = 1, 1.0, 1e-6
     raw = ADVANTAGE_ESTIMATORS["reinforce_pp"](inputs, cfg, lambda v: list(v))[0]
     assert (raw[mask == 0] == 0).all() and raw[0, 6] != 0 and raw[1, 4] != 0
@@ -141,7 +142,7 @@ def test_bad_environment_specs_are_one_line_config_errors():
         assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="cannot be imported"):  # before any worker process starts
         RewardPool("numeric", workers=2, timeout_s=1.0, env="no_such_module:Env")
-    cfg = DistflowConfig()
+    cfg = fp32_config()
     cfg.task.path, cfg.rollout.max_turns = "data.jsonl", 2
     with pytest.raises(ConfigError, match="needs an environment"):
         cfg.validate()
@@ -163,7 +164,7 @@ def test_failing_environment_steps_end_their_episodes_and_are_counted(tiny_model
     the worker is replaced and every other episode takes all its turns."""
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     rollout = _rollout(max_turns=3, max_total_tokens=200, max_new_tokens=6)
-    engine = HFEngine(tiny_model_dir, DistflowConfig().model, rollout, torch.device("cpu"))
+    engine = HFEngine(tiny_model_dir, fp32_config().model, rollout, torch.device("cpu"))
     for mode, counter in [("hang", "tool_timeouts"), ("kill", "tool_errors"), ("raise", "tool_errors"),
                           ("bad", "tool_errors")]:
         task = _task(ECHO, mode=mode, on=["77"], prefix="Reply briefly. ")
@@ -190,7 +191,7 @@ def test_failing_environment_steps_end_their_episodes_and_are_counted(tiny_model
 def test_budget_ends_episodes_as_truncated(tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     rollout = _rollout(max_turns=4, max_total_tokens=40, max_new_tokens=8)
-    engine = HFEngine(tiny_model_dir, DistflowConfig().model, rollout, torch.device("cpu"))
+    engine = HFEngine(tiny_model_dir, fp32_config().model, rollout, torch.device("cpu"))
     task = _task(ECHO)
     with RewardPool.from_task(TaskConfig(**{**task.__dict__, "reward_workers": 0})) as pool:
         samples = [s for g in EpisodeRunner(engine, pool, tok, rollout).run(_items(tok, task, 4), G, [1, 2, 3, 4])
@@ -206,7 +207,7 @@ def test_budget_ends_episodes_as_truncated(tiny_model_dir):
 def _episodes_worker(rank, world, model_dir):
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    cfg = DistflowConfig()
+    cfg = fp32_config()
     cfg.optim.micro_batch_size = 3
     cfg.rollout = _rollout()
     cfg.task = _task(SCRIPTED)

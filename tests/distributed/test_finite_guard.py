@@ -6,14 +6,14 @@ import torch
 from dist_helpers import gathered, run_distributed
 from grad_helpers import update_batch
 from grad_helpers import fixed_batch
-from distflow.config import DistflowConfig
+from config_helpers import fp32_config
 from distflow.distributed.layout import ParallelLayout
 from distflow.train.policy import Policy
 from distflow.train.update import backward_policy_loss
 
 
 def _nan_on_one_rank(rank, world, model_dir):
-    cfg = DistflowConfig()
+    cfg = fp32_config()
     cfg.optim.micro_batch_size = 2
     policy = Policy(model_dir, cfg.model, cfg.optim, ParallelLayout.current(cfg.model))
     samples, adv, _ = fixed_batch()

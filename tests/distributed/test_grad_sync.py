@@ -8,7 +8,7 @@ import torch.distributed as dist
 from dist_helpers import run_distributed
 from grad_helpers import assert_grads_close, full_grads, update_batch
 from grad_helpers import fixed_batch
-from distflow.config import DistflowConfig
+from config_helpers import fp32_config
 from distflow.train.grad_sync import ReplicaGradReducer, plan_buckets
 from distflow.distributed.layout import ParallelLayout
 from distflow.train.policy import Policy
@@ -16,7 +16,7 @@ from distflow.train.update import backward_policy_loss
 
 
 def _policy(model_dir, sync: str, bucket_mib: float = 0.01):
-    cfg = DistflowConfig()
+    cfg = fp32_config()
     cfg.model.shard_ranks, cfg.model.replica_grad_sync, cfg.model.grad_bucket_mib = 1, sync, bucket_mib
     cfg.optim.micro_batch_size = 2  # several micro-batches: only the last one all-reduces
     return cfg, Policy(model_dir, cfg.model, cfg.optim, ParallelLayout.current(cfg.model))

@@ -12,8 +12,9 @@ import torch
 from dist_helpers import run_distributed
 from grad_helpers import assert_grads_close, update_batch
 from grad_helpers import fixed_batch
+from config_helpers import fp32_config
 from distflow.train.batch import TokenBatch
-from distflow.config import ConfigError, DistflowConfig
+from distflow.config import ConfigError
 from distflow.run.export import export_live
 from distflow.distributed.layout import ParallelLayout
 from distflow.train.lora import adapters_disabled, file_key, merged_parameters
@@ -24,7 +25,7 @@ RANK, ALPHA = 4, 8.0
 
 
 def _cfg(shard_ranks=-1, **lora):
-    cfg = DistflowConfig()
+    cfg = fp32_config()
     cfg.task.path = "data.jsonl"  # a task with data: only the model's settings are under test
     cfg.model.shard_ranks = shard_ranks
     cfg.model.lora = dataclasses.replace(cfg.model.lora, **{"enabled": True, "rank": RANK, "alpha": ALPHA, **lora})

@@ -14,8 +14,8 @@ import torch
 from dist_helpers import run_distributed
 from grad_helpers import assert_grads_close, full_grads, update_batch
 from grad_helpers import fixed_batch
+from config_helpers import fp32_config
 from distflow.train.batch import TokenBatch
-from distflow.config import DistflowConfig
 from distflow.distributed import all_reduce
 from distflow.train.critic import Critic
 from distflow.distributed.layout import ParallelLayout
@@ -64,7 +64,7 @@ def test_chunked_stats_equal_full_log_softmax(chunk, empty):
 
 
 def _config(chunk, checkpointing, dtype="float32"):
-    cfg = DistflowConfig()
+    cfg = fp32_config()
     cfg.optim.micro_batch_size = 3
     cfg.model.shard_ranks = -1
     cfg.model.dtype = dtype

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 from dist_helpers import run_distributed
 from grad_helpers import update_batch
 from grad_helpers import fixed_batch
+from config_helpers import fp32_config
 from distflow.config import DistflowConfig
 from distflow.train.critic import Critic
 from distflow.distributed.layout import ParallelLayout
@@ -59,7 +60,7 @@ def _train_step(kind: str, built, cfg: DistflowConfig, rank: int, world: int) ->
 def _worker(rank, world, model_dir):
     checked = []
     for shard in (-1, 1):
-        cfg = DistflowConfig()
+        cfg = fp32_config()
         cfg.model.shard_ranks = shard
         cfg.optim.lr = cfg.critic.lr = 1e-3  # a step that moves every weight visibly
         cfg.optim.micro_batch_size = 3
@@ -103,7 +104,7 @@ def test_meta_device_start_up_equals_full_load(tiny_model_dir):
 
 
 def _unreadable_worker(rank, world, model_dir, out_path):
-    cfg = DistflowConfig()
+    cfg = fp32_config()
     if rank == 0:  # only rank 0 reads the weights: break them there
         (model_dir / "model.safetensors").write_bytes(b"not a safetensors file")
     torch.distributed.barrier()

@@ -11,9 +11,10 @@ import torch
 from dist_helpers import gathered, run_distributed
 from grad_helpers import assert_grads_close, full_grads, update_batch
 from grad_helpers import fixed_batch
+from config_helpers import fp32_config
 from distflow.algorithms import AdvantageInputs, gae_advantages, local_sum, value_loss
 from distflow.train.batch import TokenBatch
-from distflow.config import AlgorithmConfig, ConfigError, DistflowConfig
+from distflow.config import AlgorithmConfig, ConfigError
 from distflow.train.critic import Critic
 from distflow.distributed import all_reduce
 from distflow.distributed.layout import ParallelLayout
@@ -89,7 +90,7 @@ def test_value_loss_without_clip_is_half_squared_error():
 # ----------------------------------------------------------------------------- the critic model
 
 def _critic(model_dir, world, lr=1e-3):
-    cfg = DistflowConfig()
+    cfg = fp32_config()
     cfg.critic.enabled, cfg.critic.lr = True, lr
     cfg.algorithm.advantage = "gae"
     cfg.optim.micro_batch_size = 3
@@ -169,7 +170,7 @@ def test_critic_loss_gradients_and_advantages_are_sharding_invariant(tiny_model_
     ({"lam": 1.5}, "algorithm.gamma and lam must be in"),
 ])
 def test_critic_config_errors(overrides, match):
-    cfg = DistflowConfig()
+    cfg = fp32_config()
     cfg.task.path = "data.jsonl"
     cfg.algorithm.advantage = "gae"  # the estimator that needs values: the critic follows from it
     cfg.algorithm.lam = overrides.get("lam", 1.0)

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from dist_helpers import run_distributed
+from config_helpers import fp32_config
 
 BOUND = 2.5e-4  # ~3x the measured float32 engine-vs-policy max (7.7e-5)
 
@@ -52,14 +53,13 @@ def _samples(tok):
 def _worker(rank, world, model_dir):
     from transformers import AutoTokenizer
 
-    from distflow.config import DistflowConfig
     from distflow.distributed.layout import ParallelLayout
     from distflow.train.policy import Policy
     from distflow.rollout import build_engine
     from distflow.rollout import vllm_engine
     from distflow.rollout.weight_sync import full_parameters, max_logprob_diff
 
-    cfg = DistflowConfig()
+    cfg = fp32_config()
     cfg.model.path = model_dir
     cfg.rollout.engine = "vllm"
     tok = AutoTokenizer.from_pretrained(model_dir)

@@ -11,7 +11,8 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from dist_helpers import run_distributed
-from distflow.config import ConfigError, DistflowConfig, config_record
+from config_helpers import fp32_config
+from distflow.config import ConfigError, config_record
 from distflow.run.checkpoint import FORMAT, POLICY, Checkpointer, ModelOptimState, RNGState, latest_checkpoint, \
     read_marker
 from distflow.data.sampler import ShardedSampler
@@ -25,7 +26,7 @@ SEED, STEP = 7, 3
 
 
 def _policy(model_dir, shard_ranks):
-    cfg = DistflowConfig()
+    cfg = fp32_config()
     cfg.model.shard_ranks = shard_ranks
     return Policy(model_dir, cfg.model, cfg.optim, ParallelLayout.current(cfg.model))
 
@@ -52,7 +53,7 @@ def _train_and_save(rank, world, model_dir, root, shard_ranks):
     sampler = ShardedSampler(50, rank, world, seed=SEED)
     sampler.next_indices(2)
     torch.manual_seed(100 + rank)
-    _checkpointer(root, rank, policy, sampler).save(STEP, config_record(DistflowConfig()), model_dir)
+    _checkpointer(root, rank, policy, sampler).save(STEP, config_record(fp32_config()), model_dir)
     return _full_state(policy)
 
 
@@ -92,7 +93,7 @@ SECTION = {"steps": "run", "seed": "run", "resume": "checkpoint", "every_s": "ch
 
 
 def _cfg(out, **keys):
-    cfg = DistflowConfig()
+    cfg = fp32_config()
     cfg.task.path, cfg.run.output_dir = "data.jsonl", str(out)
     for key, value in keys.items():
         setattr(getattr(cfg, SECTION[key]), key, value)

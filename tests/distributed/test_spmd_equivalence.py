@@ -18,6 +18,7 @@ from dist_helpers import gathered, run_distributed
 from grad_helpers import assert_grads_close, full_grads, update_batch
 from launch_helpers import ROOT
 from grad_helpers import fixed_batch
+from config_helpers import fp32_config
 from distflow.algorithms import ADVANTAGE_ESTIMATORS, CRITIC_ESTIMATORS, LOSS_AGG_MODES, AdvantageInputs
 from distflow.train.batch import TokenBatch
 from distflow.config import AlgorithmConfig, DistflowConfig
@@ -65,7 +66,7 @@ def _capped(batch, cap) -> float:
 
 def _worker(rank, world, model_dir):
     torch.manual_seed(0)
-    cfg = DistflowConfig()
+    cfg = fp32_config()
     cfg.optim.micro_batch_size = 3
     policy = Policy(model_dir, cfg.model, cfg.optim, ParallelLayout.current(cfg.model))
     samples, _, noise = fixed_batch(n=8)

@@ -15,7 +15,7 @@ import torch
 
 from dist_helpers import gathered, run_distributed
 from distflow.train.batch import TokenBatch
-from distflow.config import ConfigError, DistflowConfig
+from distflow.config import ConfigError
 from distflow.distributed import DistInfo
 from distflow.distributed.layout import ParallelLayout
 from distflow.models.heads import attention_heads, tensor_parallel_problem
@@ -23,12 +23,13 @@ from distflow.train.policy import Policy
 from distflow.rollout import build_engine
 from distflow.sample import Sample
 from engine_helpers import perturb_and_resync
+from config_helpers import fp32_config
 
 needs_vllm = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")]
 
 
 def _worker(rank, world, model_dir):
-    cfg = DistflowConfig()
+    cfg = fp32_config()
     cfg.rollout.max_new_tokens, cfg.rollout.tensor_parallel_size = 8, 2
     # plain FSDP: every rank perturbs its own shard below, and the resync all-gathers them (with
     # replicas, the ranks of a group would have to perturb their copies alike)
@@ -84,7 +85,7 @@ def test_resync_reaches_every_tensor_parallel_worker(tiny_model_dir, _):
 
 def test_tensor_parallel_size_is_checked_before_any_model_loads(tmp_path):
     def layout(world, k, path="tiny"):
-        cfg = DistflowConfig()
+        cfg = fp32_config()
         cfg.model.path = path
         return ParallelLayout.from_config(cfg.model, DistInfo(0, world, 0, world, torch.device("cpu"), "gloo"), k)
 
@@ -101,7 +102,7 @@ def test_tensor_parallel_size_is_checked_before_any_model_loads(tmp_path):
     assert layout(8, 8, str(tmp_path / "m")).engine_tp == 8  # 4 kv heads replicated on 2 ranks each
     with pytest.raises(ConfigError, match=r"3 tensor-parallel ranks cannot split evenly"):
         layout(3, 3, str(tmp_path / "m"))
-    cfg = DistflowConfig()
+    cfg = fp32_config()
     cfg.rollout.engine, cfg.rollout.tensor_parallel_size = "hf", 2
     with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size=2 needs rollout.engine=vllm"):
         cfg.validate()

@@ -36,7 +36,7 @@ from launch_helpers import stable_metrics
 
 pytestmark = pytest.mark.slow
 
-BASE = ["experiment=smoke", "rollout=hf", "logging.plot_at_end=false", "task.reward=rewards_for_tests:digit_fraction"]
+BASE = ["experiment=smoke", "model.dtype=float32", "rollout=hf", "logging.plot_at_end=false", "task.reward=rewards_for_tests:digit_fraction"]
 ALGORITHMS = sorted(p.stem for p in (RECIPES / "algorithm").glob("*.yaml"))
 SPECIFIC = {
     "dapo": ["dynamic_sampling/kept_groups", "dynamic_sampling/rounds"],

@@ -11,6 +11,17 @@ RECIPES = ROOT / "recipes"
 _registered = False
 
 
+def fp32_config():
+    """The default DistflowConfig in float32. In-process tests compare against float32 references
+    (engine vs policy to 1e-5, 1 vs 2 ranks), so they pin it: model.dtype=auto picks bf16 on CPUs
+    with bf16 matrix instructions."""
+    from distflow.config import DistflowConfig
+
+    cfg = DistflowConfig()
+    cfg.model.dtype = "float32"
+    return cfg
+
+
 def compose(overrides: list[str]):
     """The DistflowConfig a `recipes/grpo.py` command line builds (not yet validated)."""
     global _registered

@@ -15,6 +15,15 @@ SUPPORT = Path(__file__).resolve().parent  # on the ranks' PYTHONPATH: rewards_f
 # What rank 0 logs before the engine and the policy read their weights: a run that stops before it
 # has loaded nothing.
 LOADING = "distflow: loading weights:"
+# Runs compare against float32 references (engine vs policy to 1e-5, a resume bit for bit), so
+# they pin float32 unless a test names another dtype: model.dtype=auto picks bf16 on CPUs with bf16
+# matrix instructions.
+FLOAT32 = "model.dtype=float32"
+
+
+def pinned(overrides: list[str]) -> list[str]:
+    """`overrides`, with model.dtype=float32 first unless they name a dtype themselves."""
+    return overrides if any(o.lstrip("+").startswith("model.dtype=") for o in overrides) else [FLOAT32, *overrides]
 
 
 def torchrun(overrides: list[str], nproc: int = 2, timeout: float = 600, extra_env: dict | None = None,
@@ -24,7 +33,7 @@ def torchrun(overrides: list[str], nproc: int = 2, timeout: float = 600, extra_e
     env.update(extra_env or {})
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", *(torchrun_args or []),
-           str(ROOT / "recipes" / "grpo.py"), *overrides]
+           str(ROOT / "recipes" / "grpo.py"), *pinned(overrides)]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 

