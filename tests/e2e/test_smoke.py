@@ -28,7 +28,7 @@ REQUIRED_KEYS = [
 ]
 TORCHRUN = doc_command(".venv/bin/torchrun --standalone --nproc_per_node=2 recipes/grpo.py experiment=smoke")
 LOCAL_SH = doc_command("launch/local.sh 2 experiment=smoke")
-EXTRA = ["task.reward=rewards_for_tests:digit_fraction", "checkpoint.every=2"]
+EXTRA = ["model.dtype=float32", "task.reward=rewards_for_tests:digit_fraction", "checkpoint.every=2"]
 
 
 def _run(command, tmp, *overrides):
@@ -60,6 +60,7 @@ def test_a_healthy_run_logs_every_step_and_writes_its_folder(runs):
         assert not missing, missing
         assert all(math.isfinite(r[k]) for k in REQUIRED_KEYS), r
         assert r["sync/max_abs_logprob_diff"] <= 1e-5, r  # experiment=smoke probes every step
+        assert r["mismatch/abs_max"] <= 1e-5 and r["mismatch/abs_p99"] <= 1e-5, r  # the same, on the trained tokens
         assert r["timing/step_s"] > 0 and r["throughput/tokens_per_s"] > 0
         assert 0 <= r["timing/wait_min_s"] <= r["timing/wait_s"] < r["timing/step_s"], r
     # the reward varies within groups, so the policy really moved every step

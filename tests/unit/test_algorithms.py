@@ -120,3 +120,54 @@ def test_aggregation_split_over_shards_equals_whole(mode):
 def test_unknown_agg_mode_rejected():
     with pytest.raises(ValueError, match="loss_agg_mode"):
         aggregate_numerator(torch.zeros(1, 1), torch.ones(1, 1), "bogus", 1)
+
+
+# --- engine/trainer mismatch on the training batch (distflow.algorithms.mismatch) ---
+
+def _mismatch_reference(policy, engine, mask):
+    """float64 from the definitions: |diff| of the masked tokens and k3 of KL(engine || policy)."""
+    m = mask.numpy().astype(bool)
+    pol, eng = policy.double().numpy()[m], engine.double().numpy()[m]
+    log_r = pol - eng  # log pi_policy / pi_engine on tokens the engine sampled
+    return np.abs(eng - pol), np.exp(log_r) - 1.0 - log_r
+
+
+def test_mismatch_sums_match_a_float64_reference():
+    from distflow.algorithms.mismatch import EDGES, mismatch_sums, percentile
+
+    g = torch.Generator().manual_seed(0)
+    engine = -torch.rand(6, 40, generator=g) * 5
+    policy = engine + torch.randn(6, 40, generator=g) * torch.logspace(-6, -1, 40)  # spread over decades
+    mask = (torch.rand(6, 40, generator=g) > 0.2).float()
+    diff, k3 = _mismatch_reference(policy, engine, mask)
+    s = mismatch_sums(policy, engine, mask)
+    assert s.tokens == mask.sum() == len(diff)
+    assert s.abs_sum == pytest.approx(diff.sum(), rel=1e-5) and s.abs_max == pytest.approx(diff.max(), rel=1e-6)
+    assert s.kl_sum == pytest.approx(k3.sum(), rel=1e-3, abs=1e-9)
+    assert sum(s.hist) == len(diff) and len(s.hist) == len(EDGES) + 1
+    exact = float(np.percentile(diff, 99, method="inverted_cdf"))
+    assert exact <= percentile(s.hist, 0.99) <= exact * 10 ** 0.1  # the bin's upper edge: at most 26% high
+    # two ranks' sums add up to the sums of their tokens together (what the step's all-reduce does)
+    top, bottom = mask.clone(), mask.clone()
+    top[3:], bottom[:3] = 0, 0
+    both = mismatch_sums(policy, engine, top) + mismatch_sums(policy, engine, bottom)
+    assert both.hist == s.hist and both.tokens == s.tokens and both.abs_max == s.abs_max
+    assert both.abs_sum == pytest.approx(s.abs_sum, rel=1e-6)
+
+
+def test_mismatch_is_exactly_zero_when_engine_and_policy_agree():
+    from distflow.algorithms.mismatch import MismatchSums, mismatch_sums, percentile
+
+    lp = -torch.rand(3, 8)
+    s = mismatch_sums(lp, lp.clone(), torch.ones(3, 8))
+    assert (s.abs_sum, s.kl_sum, s.abs_max, s.tokens) == (0.0, 0.0, 0.0, 24.0)
+    assert percentile(s.hist, 0.99) == 0.0 and s.hist[0] == 24.0
+    # nothing trained (an empty rank, everything masked): all zeros, and no NaN downstream
+    assert mismatch_sums(lp, lp - 1.0, torch.zeros(3, 8)) == MismatchSums()
+    assert percentile(MismatchSums().hist, 0.99) == 0.0
+    # masked tokens never count, however far off
+    far = lp.clone()
+    far[:, 4:] -= 30.0
+    mask = torch.ones(3, 8)
+    mask[:, 4:] = 0
+    assert mismatch_sums(lp, far, mask).abs_max == 0.0

@@ -14,6 +14,7 @@ from dataclasses import fields
 
 import torch
 
+from distflow.algorithms.mismatch import EDGES, percentile
 from distflow.config import DistflowConfig
 from distflow.distributed import rank_and_world
 from distflow.rollout.episodes import episode_sums
@@ -40,7 +41,9 @@ def step_report(cfg: DistflowConfig, step: int, samples: list[Sample], rewards: 
         "kept_groups": float(groups),
         "generated_groups": float(stats.generated_groups),
         **{f"reward/{k}": v for k, v in stats.reward_failures.items()},
-        **{f"upd/{f.name}": getattr(s, f.name) for f in fields(s)},
+        **{f"upd/{f.name}": getattr(s, f.name) for f in fields(s) if f.name != "mismatch"},
+        "mismatch/abs_sum": s.mismatch.abs_sum, "mismatch/kl_sum": s.mismatch.kl_sum,
+        "mismatch/tokens": s.mismatch.tokens, **{f"mismatch/hist{k}": c for k, c in enumerate(s.mismatch.hist)},
     }
     if cfg.task.env:
         sums.update(episode_sums(samples))
@@ -48,7 +51,8 @@ def step_report(cfg: DistflowConfig, step: int, samples: list[Sample], rewards: 
     maxima = {f"timing/{k}_s": v for k, v in timing.items()}
     maxima.update({"timing/slowest_rank": slowest_rank_code(timing["compute"]),
                    "response_length/max": float(max(resp_lens)), "sync/max_abs_logprob_diff": probe,
-                   "dynamic_sampling/rounds": float(stats.rounds), **gpu_memory()})
+                   "dynamic_sampling/rounds": float(stats.rounds), "mismatch/abs_max": s.mismatch.abs_max,
+                   **gpu_memory()})
     g = reduce_step_metrics(sums, maxima, {f"timing/{k}_min_s": v for k, v in timing.items()})
     g["timing/slowest_rank"] = float(int(g["timing/slowest_rank"]) % rank_and_world()[1])
     n, trained = max(g["samples"], 1.0), max(g["upd/tokens"], 1.0)
@@ -68,6 +72,7 @@ def step_report(cfg: DistflowConfig, step: int, samples: list[Sample], rewards: 
         "lr": lr,
         **{f"reward/{k}": g[f"reward/{k}"] for k in REWARD_FAILURES},
         "update/nonfinite_skipped": float(upd.nonfinite_skipped),
+        **mismatch_metrics(g),
     }
     if a.dual_clip_c is not None:
         out["clip/fraction_dual"] = g["upd/dual_clip"] / trained
@@ -97,6 +102,14 @@ def step_report(cfg: DistflowConfig, step: int, samples: list[Sample], rewards: 
         out["dynamic_sampling/rounds"] = g["dynamic_sampling/rounds"]
         out["update/skipped"] = float(upd.skipped)
     return out
+
+
+def mismatch_metrics(g: dict[str, float]) -> dict[str, float]:
+    """The engine/trainer mismatch keys from the summed histogram (distflow.algorithms.mismatch)."""
+    tokens = max(g["mismatch/tokens"], 1.0)
+    hist = [g[f"mismatch/hist{k}"] for k in range(len(EDGES) + 1)]
+    return {"mismatch/abs_mean": g["mismatch/abs_sum"] / tokens, "mismatch/abs_p99": percentile(hist, 0.99),
+            "mismatch/abs_max": g["mismatch/abs_max"], "mismatch/kl": g["mismatch/kl_sum"] / tokens}
 
 
 def with_compute(timing: dict[str, float]) -> dict[str, float]:

@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 import torch
 
 from distflow.algorithms import aggregate_denominator, aggregate_numerator, compute_token_loss, value_loss
+from distflow.algorithms.mismatch import MismatchSums, mismatch_sums
 from distflow.config import DistflowConfig
 from distflow.distributed import all_reduce
 from distflow.sample import Sample
@@ -42,6 +43,7 @@ class UpdateSums:
     value_sq_error: float = 0.0
     value_sum: float = 0.0
     value_tokens: float = 0.0
+    mismatch: MismatchSums = field(default_factory=MismatchSums)  # engine vs policy, first epoch only
 
     def __iadd__(self, other: "UpdateSums") -> "UpdateSums":
         for f in fields(self):
@@ -134,7 +136,9 @@ def _cut(per_token: torch.Tensor, idx: list[int], mb: TokenBatch) -> torch.Tenso
 def backward_policy_loss(policy: Policy, batch: UpdateBatch, rows: list[int], cfg: DistflowConfig,
                          pad_id: int) -> UpdateSums:
     """Accumulate gradients of the global mini-batch loss over this rank's `rows` of `batch`;
-    returns this rank's metric sums."""
+    returns this rank's metric sums. `old` is the policy at the weights that sampled (the
+    update's own forward when one optimizer step follows each rollout), so comparing it with the
+    engine's logprobs measures the engine/trainer mismatch for free."""
     a, world = cfg.algorithm, torch.distributed.get_world_size()
     batches = list(micro_batches(batch.tokens, rows, cfg, pad_id))
     denom = _global_denominator(batches, batch.loss_mask, a.loss_agg_mode)
@@ -158,6 +162,7 @@ def backward_policy_loss(policy: Policy, batch: UpdateBatch, rows: list[int], cf
             m = mask.bool()
             sums.loss += float(num.detach()) / denom
             sums.tokens += float(m.sum())
+            sums.mismatch += mismatch_sums(old, engine, mask)
             for key in ("clip_low", "clip_high", "dual_clip", "kl", "entropy", "tis_weight"):
                 if key in info:
                     setattr(sums, key, getattr(sums, key) + float(info[key].float()[m].sum()))
@@ -204,7 +209,7 @@ def optimize(policy: Policy | None, critic: Critic | None, batch: UpdateBatch, c
     result = UpdateResult(passes=o.mini_batches * a.ppo_epochs, actor_skipped=policy is None)
     per_mini = -(-len(batch) // o.mini_batches)
     norms: dict[str, list[float]] = {"policy": [], "critic": []}
-    for _ in range(a.ppo_epochs):
+    for epoch in range(a.ppo_epochs):
         for m in range(o.mini_batches):
             rows = list(range(m * per_mini, min(len(batch), (m + 1) * per_mini)))
             for name, model, backward in (("policy", policy, backward_policy_loss),
@@ -212,6 +217,8 @@ def optimize(policy: Policy | None, critic: Critic | None, batch: UpdateBatch, c
                 if model is None:
                     continue
                 sums = backward(model, batch, rows, cfg, pad_id)
+                if epoch > 0:
+                    sums.mismatch = MismatchSums()  # every row was measured in the first epoch
                 result.sums += sums
                 norm, taken = model.step(sums.loss if name == "policy" else sums.value_loss)
                 norms[name].append(norm)
