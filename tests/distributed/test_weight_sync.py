@@ -13,8 +13,8 @@ import torch
 
 from dist_helpers import gathered, run_distributed
 from engine_helpers import perturb_and_resync
+from config_helpers import fp32_config
 from distflow.rollout.weight_sync import full_parameters, max_logprob_diff
-from distflow.config import DistflowConfig
 from distflow.train.batch import TokenBatch
 from distflow.distributed.layout import ParallelLayout
 from distflow.train.policy import Policy
@@ -23,7 +23,7 @@ from distflow.sample import Sample
 
 
 def _worker(rank, world, model_dir, engine_name):
-    cfg = DistflowConfig()
+    cfg = fp32_config()
     cfg.rollout.engine = engine_name
     cfg.rollout.max_new_tokens = 8
     engine = build_engine(model_dir, cfg.model, cfg.rollout, torch.device("cpu"), seed=0)
@@ -82,7 +82,7 @@ def _gather_bytes_worker(rank, world, model_dir):
                 self.dtypes.add(str(args[0].dtype))
             return func(*args, **(kwargs or {}))
 
-    cfg = DistflowConfig()
+    cfg = fp32_config()
     cfg.model.shard_ranks = -1  # plain FSDP: every parameter is a shard to gather
     policy = Policy(model_dir, cfg.model, cfg.optim, ParallelLayout.current(cfg.model))
     shard_numel = sum(p.to_local().numel() for p in policy.model.parameters())
@@ -106,7 +106,7 @@ def test_resync_casts_shards_before_gathering(tiny_model_dir):
 
 @pytest.mark.parametrize("diff,dtype,warns", [
     (1e-6, "float32", False), (1.3e-4, "float32", False), (5e-3, "float32", True),
-    (0.3, "bfloat16", False), (3.0, "bfloat16", True), (float("nan"), "float32", False),
+    (0.3, "bfloat16", False), (1.3, "bfloat16", False), (5.0, "bfloat16", True), (float("nan"), "float32", False),
 ])
 def test_probe_warning_threshold_depends_on_the_dtype(diff, dtype, warns, caplog):
     from distflow.rollout.weight_sync import warn_if_out_of_sync

@@ -22,10 +22,12 @@ log = logging.getLogger("distflow")
 # The post-resync probe warns above these max |engine - policy| logprobs. In float32 both sides
 # compute the same function and differ by summation order: <= 1e-6 on the tiny model and 6e-5 to
 # 1.3e-4 on SmolLM2-135M with vLLM on CPU (the demo's metrics), so 1e-3 already means a wrong or
-# partial resync. In bfloat16 the engine's kernels round differently from the trainer's, and a
-# max over tokens of log-probabilities reaches tenths of a nat on healthy runs; only a broken resync
-# (stale or unloaded weights) goes past 1. README "Weight sync" lists the expected ranges.
-PROBE_WARN_ABOVE = {"float32": 1e-3, "bfloat16": 1.0}
+# partial resync. In bfloat16 the engine's kernels round differently from the trainer's, and the
+# max over a step's prompt and response tokens reached 0.35 to 1.26 nats on healthy SmolLM2 demo
+# runs (vLLM on CPU, 8 probes; the trained tokens' own mean |diff| is ~0.035, mismatch/abs_mean);
+# unloaded or wrong tensors give several nats. So bf16's probe catches only a broken resync; the
+# exactness check is float32's. docs/concepts.md lists the expected ranges.
+PROBE_WARN_ABOVE = {"float32": 1e-3, "bfloat16": 3.0}
 
 
 @torch.no_grad()

@@ -30,8 +30,11 @@ LOG = logging.getLogger("distflow")
 
 # (logger name prefix, message fragment): emitted by third-party code on every resync or engine
 # call during a healthy run. vLLM's in-place reload skips parameters that have no weights in the
-# stream (the rotary cache; the LM head, tied to the embedding and re-packed by distflow).
+# stream (the rotary cache; the LM head, tied to the embedding and re-packed by distflow). A bf16
+# engine started from a float32 model folder (the built-in models, a distflow export) casts each
+# tensor as it loads it, and says so once per tensor.
 EXPECTED = (
+    ("vllm", "into parameter with dtype"),
     ("vllm", "Failed to load weights"),
     ("vllm", "doesn't allow to use `torch.set_num_threads`"),
     ("vllm", "is not found in LD_PRELOAD"),
