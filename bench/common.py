@@ -198,6 +198,16 @@ def machine() -> dict:
             "torch": torch.__version__, "python": platform.python_version()}
 
 
+def cpu_bf16_support() -> dict:
+    """Whether this CPU has bf16 matmul instructions (AVX512-BF16, AMX tiles): without them torch
+    emulates bf16 matmuls and bf16 runs need not be faster than fp32 ones."""
+    import torch
+
+    cpu = torch.cpu
+    return {"avx512_bf16": bool(getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()),
+            "amx_tile": bool(getattr(cpu, "_is_amx_tile_supported", lambda: False)())}
+
+
 def loadavg() -> float:
     """1-minute load average: other users' jobs on a shared machine show up here."""
     return os.getloadavg()[0]

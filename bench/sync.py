@@ -50,6 +50,7 @@ def worker(a) -> None:
 
     cfg = DistflowConfig()
     cfg.model.path, cfg.rollout.engine, cfg.rollout.tensor_parallel_size = a.model, a.engine, a.tp
+    cfg.model.dtype = a.dtype
     if a.lora_rank:
         cfg.model.lora = LoraConfig(enabled=True, rank=a.lora_rank, alpha=2.0 * a.lora_rank, resync="adapter")
     cfg.rollout.max_new_tokens, cfg.rollout.max_prompt_tokens = 32, 128
@@ -117,7 +118,8 @@ def lora_worker(a, info, engine, policy, dtype, bucket, timed) -> None:
         groups = engine.generate(prompts, 1, list(range(len(prompts))))
         return sum(len(s.response_ids) for grp in groups for s in grp) / (time.perf_counter() - t0)
 
-    out = {"world_size": info.world_size, "lora_rank": a.lora_rank, "modes": {}}
+    out = {"world_size": info.world_size, "lora_rank": a.lora_rank, "dtype": str(dtype).removeprefix("torch."),
+           "modes": {}}
     adapters = adapter_tensors(policy.model)
     sync_s = timed(lambda: engine.load_adapter(adapter_tensors(policy.model), policy.adapter_config))
     out["modes"]["adapter"] = {"sync_s": sync_s, "bytes": sum(t.numel() * t.element_size() for t in adapters.values()),
@@ -140,7 +142,8 @@ def lora_worker(a, info, engine, policy, dtype, bucket, timed) -> None:
 def lora_records(model: str, nproc: int, r: dict) -> tuple[list[dict], list[list]]:
     records, rows = [], []
     for mode, m in r["modes"].items():
-        rec = {"model": model, "engine": "vllm", "processes": nproc, "lora_rank": r["lora_rank"], "resync": mode,
+        rec = {"model": model, "engine": "vllm", "processes": nproc, "lora_rank": r["lora_rank"], "dtype": r["dtype"],
+               "resync": mode,
                "bytes": m["bytes"], "sync_s_median": statistics.median(m["sync_s"]), "probe_max_abs_diff": m["probe"],
                "generate_tokens_per_s_median": statistics.median(m["generate_tokens_per_s"]), "raw": m}
         records.append(rec)
@@ -157,6 +160,7 @@ def main() -> None:
     p.add_argument("--nprocs", default=None, help="comma list (default 1,2; --smoke: 1)")
     p.add_argument("--iters", type=int, default=None, help="timed resyncs per configuration (default 10; --smoke: 2)")
     p.add_argument("--tp", default="1", help="comma list of rollout.tensor_parallel_size for vLLM (those dividing nproc)")
+    p.add_argument("--dtype", default="auto", help="model.dtype of the engine and the policy (auto: as the trainer)")
     p.add_argument("--lora-ranks", default=None, help="comma list of LoRA ranks for the vLLM runs (default none; --smoke: 8)")
     args = p.parse_args()
     lora_ranks = [int(r) for r in (args.lora_ranks or ("8" if args.smoke else "")).split(",") if r]
@@ -173,7 +177,7 @@ def main() -> None:
                 C.fresh(out)
                 print(f"[sync] {model} engine={engine} nproc={nproc} tensor_parallel_size={k}", flush=True)
                 C.torchrun(__file__, ["--worker", "--model", model, "--engine", engine, "--iters", str(iters),
-                                      "--tp", str(k), "--out", str(out)], nproc, wd / f"{tag}.log")
+                                      "--tp", str(k), "--dtype", args.dtype, "--out", str(out)], nproc, wd / f"{tag}.log")
                 r = json.loads(out.read_text())
                 sync, gather, copy = (statistics.median(r[k]) for k in ("sync_s", "gather_s", "copy_s"))
                 ratios = [s / copy for s in r["sync_s"]]
@@ -194,7 +198,8 @@ def main() -> None:
             C.fresh(out)
             print(f"[sync] {model} LoRA rank {rank} nproc={nproc}: adapter and merged resyncs", flush=True)
             C.torchrun(__file__, ["--worker", "--model", model, "--engine", "vllm", "--iters", str(iters),
-                                  "--lora-rank", str(rank), "--out", str(out)], nproc, wd / f"{tag}.log")
+                                  "--lora-rank", str(rank), "--dtype", args.dtype, "--out", str(out)], nproc,
+                       wd / f"{tag}.log")
             recs, more = lora_records(model, nproc, json.loads(out.read_text()))
             lora += recs
             lora_rows += more
@@ -219,6 +224,7 @@ if __name__ == "__main__":
         ap.add_argument("--iters", type=int, default=5)
         ap.add_argument("--tp", type=int, default=1)
         ap.add_argument("--lora-rank", type=int, default=0)
+        ap.add_argument("--dtype", default="auto")
         ap.add_argument("--worker", action="store_true")
         worker(ap.parse_args())
     else:

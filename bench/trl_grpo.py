@@ -5,7 +5,9 @@
 Same prompts (recipes/data/arith.jsonl with the arith task's system prompt, chat-templated by TRL),
 same numeric reward as distflow, one generation and one optimizer step per training step
 (gradient_accumulation_steps=1, so generation_batch_size = global batch), beta = 0 (no reference
-model), plain transformers `generate` (use_vllm=False).
+model), plain transformers `generate` (use_vllm=False). --bf16 sets GRPOConfig(bf16=True): TRL still
+loads the model in fp32 (its default dtype, the master weights) and accelerate runs the model's
+forward, in generation and training alike, under torch.autocast("cpu", bfloat16).
 
 Rank 0 writes --out: per-step wall times (slowest rank, like distflow's timing/step_s) and the
 running `num_tokens` TRL logs (prompt+completion tokens of all processes); per-step tokens are
@@ -46,6 +48,13 @@ class StepTimer(TrainerCallback):
                            "num_tokens": float(state.num_input_tokens_seen)})
 
 
+def precision(trainer: GRPOTrainer) -> dict:
+    """What --bf16 did: the weights' dtype and whether accelerate autocasts the forward."""
+    acc = trainer.accelerator
+    return {"param_dtype": str(next(trainer.model.parameters()).dtype).removeprefix("torch."),
+            "mixed_precision": str(acc.mixed_precision), "autocast": bool(acc.native_amp)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model-path", required=True)
@@ -57,6 +66,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast over fp32 weights (GRPOConfig bf16=True)")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--out", required=True)
     a = p.parse_args()
@@ -69,7 +79,7 @@ def main() -> None:
     dataset = Dataset.from_list([{"prompt": system + [{"role": "user", "content": r["prompt"]}],
                                   "answer": str(r["answer"])} for r in rows])
     config = GRPOConfig(
-        output_dir=a.output_dir, use_cpu=True, bf16=False, fp16=False, use_vllm=False,
+        output_dir=a.output_dir, use_cpu=True, bf16=a.bf16, fp16=False, use_vllm=False,
         num_generations=a.num_generations, per_device_train_batch_size=global_batch // world,
         gradient_accumulation_steps=1, beta=0.0, max_completion_length=a.max_completion_length,
         temperature=1.0, top_p=1.0, learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0,
@@ -92,7 +102,7 @@ def main() -> None:
         for s in steps:
             s["tokens"], prev = s["num_tokens"] - prev, s["num_tokens"]
         with open(a.out, "w") as f:
-            json.dump({"world_size": world, "torch_threads": torch.get_num_threads(),
+            json.dump({"world_size": world, "torch_threads": torch.get_num_threads(), **precision(trainer),
                        "config": {k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str, bool, type(None)))},
                        "steps": steps}, f, indent=1)
 

@@ -54,6 +54,7 @@ def worker(a) -> None:
 
     cfg = DistflowConfig()
     cfg.model.shard_ranks = C.recipe_shard_ranks(a.model)
+    cfg.model.dtype = a.dtype
     cfg.optim.micro_batch_size, cfg.optim.lr = a.micro_batch_size, 1e-6
     info = init_distributed("gloo", "cpu")
     policies = {}
@@ -128,25 +129,27 @@ def main() -> None:
     p.add_argument("--seqs", type=int, default=8, help="sequences per rank")
     p.add_argument("--micro-batch-size", type=int, default=2, help="sequences per forward/backward")
     p.add_argument("--profile", type=int, default=0, help="print the top N ops of one profiled update")
+    p.add_argument("--dtypes", default="float32", help="comma list of model.dtype values, one run each")
     args = p.parse_args()
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     nprocs = [int(n) for n in (args.nprocs or ("2" if args.smoke else "1,2")).split(",")]
     iters = args.iters or (1 if args.smoke else 5)
     wd = C.work_dir(args, "update")
     records, rows = [], []
     for model in C.models(args):
-        for nproc in nprocs:
-            out = wd / f"{model}-n{nproc}.json"
+        for nproc, dtype in ((n, d) for n in nprocs for d in dtypes):
+            out = wd / f"{model}-n{nproc}-{dtype}.json"
             C.fresh(out)
-            print(f"[update] {model} nproc={nproc}", flush=True)
+            print(f"[update] {model} nproc={nproc} dtype={dtype}", flush=True)
             C.torchrun(__file__, ["--worker", "--model", model, "--iters", str(iters), "--seqs", str(args.seqs),
                                   "--micro-batch-size", str(args.micro_batch_size), "--profile", str(args.profile),
-                                  "--out", str(out)],
-                       nproc, wd / f"{model}-n{nproc}.log")
+                                  "--dtype", dtype, "--out", str(out)],
+                       nproc, wd / f"{model}-n{nproc}-{dtype}.log")
             if args.profile:
                 print(Path(str(out).removesuffix(".json") + "-profile.txt").read_text(), flush=True)
             r = json.loads(out.read_text())
             med = {v: {k: statistics.median(ts) for k, ts in r["times"][v].items()} for v in VARIANTS}
-            rec = {"model": model, "processes": nproc, "params": r["params"], "shard_ranks": r["shard_ranks"],
+            rec = {"model": model, "processes": nproc, "dtype": dtype, "params": r["params"], "shard_ranks": r["shard_ranks"],
                    "seqs_per_rank": r["seqs_per_rank"], "micro_batch_size": r["micro_batch_size"],
                    "tokens_per_rank": r["tokens_per_rank"], "iters": iters, "median_s": med,
                    "speedup_fused": med["baseline"]["update_s"] / med["fused"]["update_s"],
@@ -154,9 +157,9 @@ def main() -> None:
                    "speedup_bucketed": med["fsdp"]["update_s"] / med["default"]["update_s"], "raw": r}
             records.append(rec)
             for v in VARIANTS:
-                rows.append([model, nproc, v, med[v]["backward_s"], med[v]["optimizer_s"], med[v]["update_s"],
+                rows.append([model, nproc, dtype, v, med[v]["backward_s"], med[v]["optimizer_s"], med[v]["update_s"],
                              med["baseline"]["update_s"] / med[v]["update_s"]])
-    print(C.table(["model", "procs", "variant", "backward s", "optimizer s", "update s", "speedup"], rows))
+    print(C.table(["model", "procs", "dtype", "variant", "backward s", "optimizer s", "update s", "speedup"], rows))
     C.write_json(args.results_dir, "update", {"bench": "update", "smoke": args.smoke, "machine": C.machine(),
                                               "variants": VARIANTS, "records": records})
 
@@ -164,6 +167,7 @@ def main() -> None:
 if __name__ == "__main__":
     if "--worker" in sys.argv:
         ap = argparse.ArgumentParser()
+        ap.add_argument("--dtype", default="float32")
         for flag in ("--model", "--out"):
             ap.add_argument(flag, required=True)
         for flag, default in (("--iters", 3), ("--seqs", 8), ("--micro-batch-size", 2), ("--profile", 0)):

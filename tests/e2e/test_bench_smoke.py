@@ -38,11 +38,12 @@ def _positive(x) -> bool:
 
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl not installed (pip install 'trl==1.16.*')")
 def test_vs_trl_smoke(tmp_path):
-    out = run_bench("vs_trl", tmp_path)
+    # bf16, the path with the most to check; float32 differs only in the two flags
+    out = run_bench("vs_trl", tmp_path, "--dtype", "bfloat16")
     assert out["records"]
     for rec in out["records"]:
-        for key in ("model", "processes", "distflow_tokens_per_s", "trl_tokens_per_s", "ratio_median", "ratio_min",
-                    "ratio_max", "config"):
+        for key in ("model", "processes", "dtype", "distflow_tokens_per_s", "trl_tokens_per_s", "ratio_median",
+                    "ratio_min", "ratio_max", "config"):
             assert key in rec, key
         assert _positive(rec["distflow_tokens_per_s"]) and _positive(rec["trl_tokens_per_s"])
         assert rec["ratio_min"] <= rec["ratio_median"] <= rec["ratio_max"]
@@ -50,10 +51,14 @@ def test_vs_trl_smoke(tmp_path):
                     "max_new_tokens", "lr"):
             assert key in rec["config"], key
         assert rec["config"]["trl_grpo_config"]["beta"] == 0.0
+        # both train in bf16: distflow's compute dtype, TRL's autocast over fp32 weights
+        assert rec["dtype"] == "bfloat16" and "model.dtype=bfloat16" in rec["config"]["distflow_command"]
+        assert rec["config"]["trl_grpo_config"]["bf16"] is True
+        assert rec["config"]["trl_precision"] == {"param_dtype": "float32", "mixed_precision": "bf16", "autocast": True}
 
 
 def test_sync_smoke(tmp_path):
-    out = run_bench("sync", tmp_path)
+    out = run_bench("sync", tmp_path, "--dtype", "float32")  # the probes below are float32's exactness
     assert _positive(out["ratio_median"])
     assert {r["engine"] for r in out["records"]} == {"vllm", "hf"}
     for rec in out["records"]:
@@ -62,6 +67,7 @@ def test_sync_smoke(tmp_path):
     lora = {r["resync"]: r for r in out["lora_records"]}
     assert set(lora) == {"adapter", "merged"} and lora["adapter"]["bytes"] < lora["merged"]["bytes"]
     for rec in lora.values():  # either way the engine serves the policy
+        assert rec["dtype"] == "float32"
         assert rec["probe_max_abs_diff"] <= 1e-5 and _positive(rec["generate_tokens_per_s_median"]), rec
 
 
@@ -77,11 +83,38 @@ def test_comm_smoke(tmp_path):
 
 
 def test_flops_smoke(tmp_path):
-    out = run_bench("flops", tmp_path)
+    out = run_bench("flops", tmp_path)  # one run (model.dtype=auto), both peaks measured inside it
     assert _positive(out["train_flops_fraction_of_peak"])
     rec = out["records"][0]
-    for key in ("params", "train_flops_per_s", "matmul_peak_flops_per_s", "trained_tokens_per_step", "update_s_per_step"):
+    for key in ("params", "train_flops_per_s", "matmul_peak_flops_per_s", "trained_tokens_per_step",
+                "update_s_per_step", "model_gemm_flops_per_s", "train_flops_fraction_of_model_gemms"):
         assert _positive(rec[key]), key
+    assert rec["requested_dtype"] == "auto" and rec["dtype"] in ("float32", "bfloat16")  # as config.json resolved it
+    assert out["headline"]["dtype"] == rec["dtype"] and set(out["by_dtype"]) == {rec["dtype"]}
+    assert rec["matmul_peak_flops_per_s"] == rec["matmul_peaks_flops_per_s"][rec["dtype"]]
+    for dtype in ("float32", "bfloat16"):
+        assert _positive(rec["matmul_peaks_flops_per_s"][dtype]), dtype
+        assert _positive(rec["model_gemm_flops_per_s_by_dtype"][dtype]), dtype
+        peaks = rec["peak_measurements"]["before"][dtype]
+        assert set(peaks["square"]) == {"256", "512"} and set(peaks["gemms"]) == set(rec["peak_measurements"]["gemms"])
+    layers = {n for g in rec["peak_measurements"]["gemms"].values() for n in g["layers"]}
+    assert layers == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"}
+
+
+def test_flops_dtype_ratios(monkeypatch):
+    """bf16 / fp32 of the runs of one layout in both dtypes (the table --dtypes float32,bfloat16 prints)."""
+    monkeypatch.syspath_prepend(str(ROOT / "src"))
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import flops
+
+    def rec(dtype, update_s, flops_per_s, peaks):
+        return {"model": "tiny", "processes": 1, "dtype": dtype, "update_s_per_step": update_s,
+                "train_flops_per_s": flops_per_s, "matmul_peaks_flops_per_s": dict(zip(("float32", "bfloat16"), peaks))}
+
+    ratios = flops.dtype_ratios([rec("float32", 2.0, 10.0, (100, 400)), rec("bfloat16", 1.0, 20.0, (90, 500))])
+    assert ratios == [{"model": "tiny", "processes": 1, "update_s_bf16_over_fp32": 0.5,
+                       "train_flops_bf16_over_fp32": 2.0, "matmul_peak_bf16_over_fp32": 5.0}]
+    assert flops.dtype_ratios([rec("bfloat16", 1.0, 20.0, (90, 500))]) == []
 
 
 def test_engines_smoke(tmp_path):
@@ -105,7 +138,7 @@ def test_balance_smoke(tmp_path):
 
 def test_update_smoke(tmp_path):
     out = run_bench("update", tmp_path, "--profile", "5")
-    profile = (tmp_path / "work" / "tiny-n2-profile.txt").read_text()
+    profile = (tmp_path / "work" / "tiny-n2-float32-profile.txt").read_text()
     assert "Self CPU" in profile and len(profile.splitlines()) >= 5, profile
     rec = out["records"][0]
     assert rec["processes"] == 2 and rec["seqs_per_rank"] > rec["micro_batch_size"]  # several micro-batches
