@@ -30,12 +30,15 @@ def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
 
 
+def grad_errors(g1: dict, g2: dict) -> dict[str, float]:
+    """Per gradient, the largest |g1 - g2| relative to g1's own largest entry."""
+    return {name: float((g1[name] - g2[name]).abs().max() / g1[name].abs().max().clamp(min=1e-12)) for name in g1}
+
+
 def assert_grads_close(g1: dict, g2: dict, rel: float = 1e-5, context=None) -> None:
     """Each gradient agrees to `rel` of its own largest entry."""
     assert g1.keys() == g2.keys(), (context, sorted(set(g1) ^ set(g2)))
-    for name in g1:
-        scale = g1[name].abs().max().clamp(min=1e-12)
-        err = float((g1[name] - g2[name]).abs().max() / scale)
+    for name, err in grad_errors(g1, g2).items():
         assert err <= rel, (context, name, err)
 
 

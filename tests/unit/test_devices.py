@@ -116,7 +116,8 @@ def test_cpu_bf16_probe_reads_torch_then_the_kernel(torch_says, flags, expected,
             monkeypatch.setattr(torch.cpu, name, lambda v=torch_says[name]: v)
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor\t: 0\nmodel name\t: test\nflags\t\t: {flags}\n\n")
-    monkeypatch.setattr(devices, "_cpuinfo_flags", lambda: devices._read_flags(str(cpuinfo)))
+    read = devices._cpuinfo_flags
+    monkeypatch.setattr(devices, "_cpuinfo_flags", lambda: read(str(cpuinfo)))
     assert CpuBf16.probe() == expected
 
 

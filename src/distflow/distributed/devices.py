@@ -173,11 +173,7 @@ def _torch_reports(check: str) -> bool:
         return False
 
 
-def _cpuinfo_flags() -> set[str]:
-    return _read_flags("/proc/cpuinfo")
-
-
-def _read_flags(path: str) -> set[str]:
+def _cpuinfo_flags(path: str = "/proc/cpuinfo") -> set[str]:
     try:
         with open(path) as f:
             return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
@@ -205,9 +201,9 @@ def auto_dtype(device: torch.device | str, cpu: CpuBf16 | None = None) -> tuple[
     return (torch.bfloat16 if cpu.fast else torch.float32), cpu.reason()
 
 
-def torch_dtype(name: str, device: torch.device | str) -> torch.dtype:
+def torch_dtype(name: str, device: torch.device | str, cpu: CpuBf16 | None = None) -> torch.dtype:
     """model.dtype as a torch dtype; "auto" as `auto_dtype` decides."""
-    return auto_dtype(device)[0] if name == "auto" else getattr(torch, name)
+    return auto_dtype(device, cpu)[0] if name == "auto" else getattr(torch, name)
 
 
 def dtype_line(requested: str, device: torch.device | str) -> str:
@@ -234,8 +230,7 @@ def shard_ranks(model: ModelConfig) -> int:
 def resolve_auto(cfg: DistflowConfig, device: torch.device | str, cpu: CpuBf16 | None = None) -> DistflowConfig:
     """A copy of `cfg` with every "auto" above made concrete for `device` (what config.json
     records); `cpu` defaults to this machine's bf16 report."""
-    requested = cfg.model.dtype
-    dtype = str(auto_dtype(device, cpu)[0] if requested == "auto" else getattr(torch, requested)).removeprefix("torch.")
+    dtype = str(torch_dtype(cfg.model.dtype, device, cpu)).removeprefix("torch.")
     model = dataclasses.replace(cfg.model, dtype=dtype, shard_ranks=shard_ranks(cfg.model))
     eager = str(enforce_eager(cfg.rollout.enforce_eager, device)).lower()
     rollout = dataclasses.replace(cfg.rollout, enforce_eager=eager)
