@@ -208,3 +208,22 @@ def test_workers_leave_with_a_killed_parent_and_unguarded_main(tmp_path):
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(p) for p in pids)
+
+
+@pytest.mark.parametrize("end", ["exit", "close"])
+def test_a_trainer_that_stops_during_pool_start_up_leaves_no_worker_traceback(end):
+    """A trainer that stops while its workers still start (a config or data error found after the
+    pool was made): by exiting at once, its workers then finding nobody to report to, or by
+    closing the pool. Either way the workers leave in silence: the trainer's own error is the
+    one thing on the console. (Each worker's stderr is the trainer's, so the pipe below reads to
+    its end only once every worker has gone.)"""
+    import subprocess
+    import sys
+
+    stop = "os._exit(3)" if end == "exit" else "pool.close(); sys.exit(3)"
+    code = (f"import os, sys; sys.path.insert(0, {str(SUPPORT)!r})\n"
+            "from distflow.rewards.pool import RewardPool\n"
+            f"pool = RewardPool({MIS!r}, 2, 5.0)\n{stop}\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3
+    assert proc.stderr == "" and proc.stdout == "", proc.stderr

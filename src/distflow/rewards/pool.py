@@ -69,34 +69,42 @@ def _call(fn, args, step: bool = False) -> tuple[str, object]:
     return "invalid", repr(value)[:200]
 
 
-def _worker_main(fd: int, specs: list[str], env: list | None = None) -> None:
+def _worker_main(fd: int, parent: int, specs: list[str], env: list | None = None) -> None:
     """A worker's life: resolve the specs (and the environment), say "ready", then answer batches
-    unit by unit. Unit component len(specs) is the environment's step."""
-    ppid = os.getppid()
+    unit by unit. Unit component len(specs) is the environment's step. `parent` is the trainer's
+    pid, taken before this interpreter started: a trainer that died during our start-up has
+    already handed us to another parent, and must still count as gone."""
+
+    def parent_gone() -> bool:
+        return os.getppid() != parent
 
     def orphan_watch() -> None:  # a trainer killed with SIGKILL cannot close us: leave with it
-        while os.getppid() == ppid:
+        while not parent_gone():
             time.sleep(1.0)
         os._exit(0)
 
     threading.Thread(target=orphan_watch, daemon=True).start()
     conn = Connection(fd)
-    fns = [load_reward(s) for s in specs]
-    if env is not None:
-        fns.append(build_env(*env).step)
-    for fn in fns:
-        if callable(getattr(fn, "prepare", None)):
-            fn.prepare()
-    conn.send("ready")
     try:
+        fns = [load_reward(s) for s in specs]
+        if env is not None:
+            fns.append(build_env(*env).step)
+        for fn in fns:
+            if callable(getattr(fn, "prepare", None)):
+                fn.prepare()
+        conn.send("ready")
         while (batch := conn.recv()) is not None:
             for uid, comp, args in batch:
                 conn.send((uid, *_call(fns[comp], args, step=comp == len(specs))))
-    except (EOFError, OSError):  # the parent closed us, or died: nothing to report to
+    except (EOFError, OSError):  # the trainer closed us, or died: nothing to report to
         return
+    except BaseException:
+        if parent_gone():  # torn down during start-up: nobody reads a traceback now
+            os._exit(0)
+        raise  # a start-up failure the trainer reports ("died at start-up; see its stderr")
 
 
-# The worker's command line: fd, [specs, env] as JSON, then this process's sys.path entries.
+# The worker's command line: fd, [parent pid, specs, env] as JSON, then this process's sys.path entries.
 _BOOT = ("import sys; sys.path[:] = sys.argv[3:]; import json; from distflow.rewards.pool import _worker_main; "
          "_worker_main(int(sys.argv[1]), *json.loads(sys.argv[2]))")
 
@@ -105,7 +113,7 @@ class _Worker:
     def __init__(self, specs: list[str], env: list | None):
         mine, theirs = socket.socketpair()
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _BOOT, str(theirs.fileno()), json.dumps([specs, env]), *sys.path],
+            [sys.executable, "-c", _BOOT, str(theirs.fileno()), json.dumps([os.getpid(), specs, env]), *sys.path],
             pass_fds=[theirs.fileno()], start_new_session=True)  # start_new_session: Ctrl-C is the trainer's
         theirs.close()
         self.conn = Connection(mine.detach())
