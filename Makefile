@@ -58,11 +58,12 @@ $(GPU_STAMP): setup.cfg
 	$(GPU_BIN)/python -c "import torch, transformers, vllm, distflow; assert torch.version.cuda, 'CPU torch ' + torch.__version__"
 	touch $(GPU_STAMP)
 
+# launch/local.sh: a config pre-flight (a mistake is one line), then torchrun --standalone
 demo: install
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) recipes/grpo.py experiment=demo
+	OMP_NUM_THREADS=1 PYTHON=$(BIN)/python launch/local.sh $(NPROC) experiment=demo
 
 smoke: install
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) recipes/grpo.py experiment=smoke
+	OMP_NUM_THREADS=1 PYTHON=$(BIN)/python launch/local.sh $(NPROC) experiment=smoke
 
 test: install
 	$(BIN)/python -m pytest -q -rs --durations=25 $(PYTEST_ARGS)

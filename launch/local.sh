@@ -7,7 +7,8 @@
 # torchrun and on to every rank; the ranks finish the step, save a checkpoint and exit, and this
 # script exits 75 (EX_TEMPFAIL). Run the same command again with the same run.output_dir to
 # resume from that checkpoint (checkpoint.resume=auto). SIGINT is passed on too, but the trainer
-# does not save on it. Any other end exits with torchrun's status.
+# does not save on it. A config mistake exits 2 before torchrun starts (the pre-flight below). Any
+# other end exits with torchrun's status.
 #
 # Environment knobs: PYTHON, OMP_NUM_THREADS, GRACE_S (seconds torchrun waits for the ranks to
 # save after a signal before it kills them; default 120), DISTFLOW_STOP_FILE (where rank 0 reports
@@ -29,6 +30,10 @@ else
     : >"$DISTFLOW_STOP_FILE"  # a stale report from an earlier run must not count
 fi
 export DISTFLOW_STOP_FILE
+
+# Pre-flight: one process composes and validates the config (no torch.distributed, no model), so
+# a config mistake is one `distflow: error:` line and exit status 2 before any rank starts.
+"$py" "$here/recipes/grpo.py" --check-config "$@" >/dev/null
 
 # torchrun runs as a child, not exec'd, so this script can read the stop file after it ends.
 # torchrun forwards SIGUSR1 to the ranks only when asked to handle it.

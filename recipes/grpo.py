@@ -3,6 +3,11 @@
 Every algorithm runs through it (algorithm=grpo, dapo, ppo, ...). Thin by design: compose the
 config, build the typed one (distflow.config checks every key and value), hand it to
 distflow.Trainer. The library itself never imports Hydra.
+
+`python recipes/grpo.py --check-config [overrides ...]` is the launchers' pre-flight
+(launch/local.sh, launch/slurm/): one process composes and validates the config, with no
+torch.distributed and no model, and a mistake stops there as one line and exit status 2 before
+torchrun starts any rank.
 """
 
 from __future__ import annotations
@@ -10,14 +15,16 @@ from __future__ import annotations
 import os
 import sys
 
-from distflow.run.output import quiet_third_party_env
+from distflow.run.output import (
+    quiet_third_party_env,
+    report_error,
+)
 
 quiet_third_party_env()  # before torch, vLLM or datasets start logging
 
 import hydra  # noqa: E402
 from hydra.core.config_store import ConfigStore  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
-from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
 from distflow.config import ConfigError, DistflowConfig, hydra_schema, rename_overrides  # noqa: E402
 
@@ -51,7 +58,37 @@ def _prepare_argv() -> None:
     sys.argv[1:] = args
 
 
-@record
+def check_config(overrides: list[str]) -> int:
+    """The pre-flight: 0 when the config composes and validates, else one error line and 2.
+    Hydra's own flags (--cfg, -m, ...) are the run's to handle: nothing is checked then."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    args, _ = rename_overrides(overrides)  # the ranks print the deprecation lines
+    if any(a.startswith("-") for a in args):
+        return 0
+    try:
+        with initialize_config_dir(config_dir=RECIPES_DIR, version_base="1.3"):
+            cfg = compose(config_name="grpo", overrides=args)
+        DistflowConfig.from_dict(OmegaConf.to_container(cfg, resolve=True)).validate()
+    except ConfigError as e:
+        report_error(str(e))
+        return 2
+    except OmegaConfBaseException as e:  # a bad interpolation, a missing value
+        key, what = getattr(e, "full_key", None), str(e).strip().splitlines()[0]
+        report_error(f"{key}: {what}" if key else what)
+        return 2
+    except HydraException as e:  # an unknown group option, a malformed override, a value of the wrong type
+        text = str(e).split("Config search path")[0]
+        cause = e.__cause__
+        if isinstance(cause, OmegaConfBaseException) and str(cause).strip():
+            text += f": {str(cause).strip().splitlines()[0]}"  # what was wrong, without OmegaConf's key dump
+        report_error(" ".join(text.split()))
+        return 2
+    return 0
+
+
 @hydra.main(config_path=".", config_name="grpo", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from distflow.run.preemption import EXIT_STOPPED
@@ -62,7 +99,7 @@ def main(cfg: DictConfig) -> None:
         config = DistflowConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
         trainer = Trainer(config)
     except ConfigError as e:
-        print(f"distflow: error: {e}", file=sys.stderr, flush=True)
+        report_error(str(e))
         sys.exit(2)
     except RunComplete as e:
         if os.environ.get("RANK", "0") == "0":
@@ -71,11 +108,13 @@ def main(cfg: DictConfig) -> None:
     try:
         trainer.train()
     except RunAborted as e:
-        print(f"distflow: error: {e}", file=sys.stderr, flush=True)
+        report_error(str(e))
         sys.exit(1)
     except Exception as e:
         # name the failing rank; torchrun then stops the others (or they time out in a collective)
-        print(f"distflow: rank {os.environ.get('RANK', '0')} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        # (one write: the other ranks' lines on the same console cannot land inside it)
+        sys.stderr.write(f"distflow: rank {os.environ.get('RANK', '0')} failed: {type(e).__name__}: {e}\n")
+        sys.stderr.flush()
         raise
     finally:
         trainer.close()
@@ -84,5 +123,11 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--check-config"]:
+        sys.exit(check_config(sys.argv[2:]))
+    # torchelastic's @record (its error file names an uncaught error in torchrun's failure summary),
+    # applied here so the pre-flight above never imports torch
+    from torch.distributed.elastic.multiprocessing.errors import record
+
     _prepare_argv()
-    main()
+    record(main)()

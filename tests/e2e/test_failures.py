@@ -1,9 +1,11 @@
-"""What a failing launch looks like under torchrun: one `distflow: error:` line on every rank and
-nothing loaded for a config or input mistake, a rank killed mid-run restarted by torchrun and
-resumed, a rank that raises failing the job with its own error, nodes launched with different
-overrides refused, Hydra's multirun refused under torchrun. The other config and data errors
-are checked in-process on 2 ranks (distributed/test_trainer_loop.py): these few prove the
-one-line, every-rank behaviour through the real entry point."""
+"""What a failing launch looks like. Through launch/local.sh a config mistake is one line and
+exit status 2 before torchrun starts. Under bare torchrun: a config or input mistake is one
+`distflow: error:` line per rank that reaches it, named in torchrun's failure summary, with
+nothing loaded; a rank killed mid-run is restarted by torchrun and resumes; a rank that raises
+fails the job with its own error; nodes launched with different overrides are refused; Hydra's
+multirun is refused. The other config and data errors, and every rank saying each, are checked
+in-process on 2 ranks (distributed/test_trainer_loop.py): these few prove the behaviour through
+the real entry points."""
 
 import os
 import subprocess
@@ -19,14 +21,34 @@ RECIPES = ROOT / "recipes"
 BASE = ["experiment=smoke", "task.reward=rewards_for_tests:digit_fraction", "checkpoint.every=2"]
 
 
-def test_an_unknown_logger_stops_every_rank_before_any_weights_load(tmp_path):
+def test_an_unknown_logger_stops_the_ranks_before_any_weights_load(tmp_path):
+    """Bare torchrun (no pre-flight): the ranks say it, and torchrun's failure summary names it."""
     proc = fail_run(["logging.loggers=[jsonl,bogus]"], tmp_path)
     assert_clean_failure(proc, "distflow: error: logging.loggers must be one of console, jsonl, wandb, tensorboard; "
                                "got 'bogus'")
     assert not (tmp_path / "logs").exists()  # refused before anything was written
+    assert "<N/A>" not in proc.stderr, proc.stderr[-3000:]
+    assert [text for text in proc.stderr.splitlines() if "distflow: error:" in text and not text.startswith(
+        ("distflow: error:", "  traceback : distflow: error:"))] == []  # each line whole, none glued to another
 
 
-def test_reward_that_does_not_import_fails_on_every_rank(tmp_path):
+@pytest.mark.parametrize("mistake, line", [
+    ("validation.at_end=true", "validation needs a held-out split: set task.heldout_path"),
+    ("experiment=smok", ("In 'grpo': Could not find 'experiment/smok' Available options in 'experiment': demo "
+                         "demo_lora smoke tools_smoke tools_smollm2")),
+])
+def test_a_config_mistake_through_local_sh_is_one_line_and_exit_2(tmp_path, mistake, line):
+    """launch/local.sh's pre-flight: one process composes and validates the config; a mistake is
+    that one line, nothing else, exit status 2, and no rank was started (nothing written)."""
+    out = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run(["bash", str(ROOT / "launch" / "local.sh"), "2", "experiment=smoke", f"run.output_dir={out}",
+                           mistake], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"distflow: error: {line}\n")
+    assert not out.exists()
+
+
+def test_reward_that_does_not_import_stops_the_ranks(tmp_path):
     proc = fail_run(["task.reward=no_such_module_for_distflow:score"], tmp_path)
     assert_clean_failure(proc, "distflow: error: task.reward 'no_such_module_for_distflow:score' cannot be imported")
 

@@ -136,6 +136,16 @@ def test_single_node_template_and_explicit_output_dir(tmp_path, key):
 
 
 @pytest.mark.parametrize("which", TEMPLATES)
+def test_a_config_mistake_stops_the_job_before_srun_with_one_line(tmp_path, which):
+    record = tmp_path / "srun.json"
+    env = slurm_env(tmp_path, FAKE_SRUN_RECORD=str(record), SLURM_JOB_ID="8", SLURM_NNODES="1",
+                    SLURM_JOB_NODELIST="node01", FAKE_HOSTNAMES="node01", PYTHON=sys.executable)
+    proc = run_template(which, ["experiment=smoke", "optim.lr=-1"], env, timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", "distflow: error: optim.lr must be >= 0, got -1.0\n")
+    assert not record.exists() and not (tmp_path / "outputs").exists()  # nothing launched, no run folder
+
+
+@pytest.mark.parametrize("which", TEMPLATES)
 def test_gpu_allocation_refuses_a_cpu_torch(tmp_path, which):
     """This interpreter's torch is the CPU build: a GPU job must not start on it."""
     record = tmp_path / "srun.json"
@@ -196,6 +206,8 @@ def test_template_outside_slurm_fails_clearly(tmp_path):
 FAKE_TORCHRUN = r"""#!{python}
 import json, os, signal, sys, time
 from pathlib import Path
+if sys.argv[2:3] == ["--check-config"]:  # the template's pre-flight: the real one
+    os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
 assert sys.argv[1:3] == ["-m", "torch.distributed.run"], sys.argv
 rec = Path(os.environ["FAKE_TORCHRUN_DIR"])
 node = os.environ.get("SLURM_NODEID", "local")

@@ -51,16 +51,19 @@ def stable_metrics(row: dict) -> dict:
 
 
 def fail_run(overrides: list[str], tmp_path) -> subprocess.CompletedProcess:
-    """The smoke experiment with `overrides` that must stop it. A slow monitor (15 s) lets every
-    rank reach its own error before torchrun stops the group, even on a loaded machine."""
+    """The smoke experiment with `overrides` that must stop it, under bare torchrun. torchrun
+    stops the other ranks within its 1 s monitor interval of the first one's exit, so a slower
+    rank may be gone before it reaches the error itself: every rank saying it is checked
+    in-process (distributed/test_trainer_loop.py)."""
     return torchrun(["experiment=smoke", f"run.output_dir={tmp_path}", *overrides], timeout=180,
-                    torchrun_args=["--monitor-interval=15"])
+                    torchrun_args=["--monitor-interval=1"])
 
 
-def assert_clean_failure(proc: subprocess.CompletedProcess, needle: str, ranks: int = 2,
-                         before_loading: bool = True) -> None:
-    """The run failed and every rank said `needle` (before_loading: and no weights were loaded)."""
+def assert_clean_failure(proc: subprocess.CompletedProcess, needle: str, before_loading: bool = True) -> None:
+    """The run failed, a rank's line starts with `needle`, torchrun's failure summary names it (the
+    rank's error file), and (before_loading) no weights were loaded."""
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0, text[-3000:]
-    assert text.count(needle) >= ranks, f"expected {needle!r} from {ranks} ranks:\n{text[-5000:]}"
+    assert any(line.startswith(needle) for line in text.splitlines()), text[-5000:]
+    assert f"traceback : {needle}" in proc.stderr, text[-5000:]
     assert not before_loading or LOADING not in text, text[-3000:]

@@ -37,6 +37,12 @@ def test_every_recipe_config_composes_and_validates(group, name):
 
 @pytest.mark.parametrize("override,needle", [
     ("optim.micro_batch_tokens=-1", "optim.micro_batch_tokens must be >= 0"),
+    ("optim.lr=-1e-5", "optim.lr must be >= 0, got -1e-05"),
+    ("optim.lr=inf", "optim.lr must be >= 0, got inf"),
+    ("optim.weight_decay=-0.1", "optim.weight_decay must be >= 0"),
+    ("optim.beta2=1.0", "optim.beta1 and optim.beta2 must be in .0, 1.. got 0.9, 1.0"),
+    ("optim.warmup_steps=-1", "optim.warmup_steps must be >= 0"),
+    ("optim.max_grad_norm=0", "optim.max_grad_norm must be > 0"),
     ("run.sync_probe_every=0", "run.sync_probe_every must be >= 1"),
     ("model.shard_ranks=0", "model.shard_ranks must be -1"),
     ("model.logprob_chunk_tokens=-1", "model.logprob_chunk_tokens must be >= 0"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import List, Literal, Optional
 
@@ -125,6 +126,13 @@ class OptimConfig:
             (self.micro_batch_size >= 1 and self.mini_batches >= 1,
              "optim.micro_batch_size and optim.mini_batches must be >= 1"),
             (self.micro_batch_tokens >= 0, f"optim.micro_batch_tokens must be >= 0 (0 = off), got {self.micro_batch_tokens}"),
+            # AdamW's own rules, checked here so a mistake stops before any weights load
+            (0 <= self.lr < math.inf, f"optim.lr must be >= 0, got {self.lr}"),
+            (0 <= self.weight_decay < math.inf, f"optim.weight_decay must be >= 0, got {self.weight_decay}"),
+            (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
+             f"optim.beta1 and optim.beta2 must be in [0, 1), got {self.beta1}, {self.beta2}"),
+            (self.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {self.warmup_steps}"),
+            (0 < self.max_grad_norm < math.inf, f"optim.max_grad_norm must be > 0, got {self.max_grad_norm}"),
         ]
 
 

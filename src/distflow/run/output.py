@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -145,6 +146,24 @@ def setup_output(log_file: Path, rank: int, log_level: str = "WARNING") -> loggi
     except ImportError:  # pragma: no cover
         pass
     return LOG
+
+
+def report_error(message: str) -> None:
+    """The one line a run that cannot go on prints (`distflow: error: <message>`, on stderr), also
+    written to torchelastic's error file when torchrun set one (TORCHELASTIC_ERROR_FILE), so that
+    torchrun's failure summary names this error instead of `<N/A>`. The line stands where the
+    file's format has a Python traceback: the summary shows that field."""
+    line = f"distflow: error: {message}"
+    sys.stderr.write(line + "\n")  # one write: ranks sharing a console never glue their lines together
+    sys.stderr.flush()
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        record = {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump({"message": record}, f)
+        except OSError:  # the console line is what matters; the summary falls back to <N/A>
+            pass
 
 
 def save_config(cfg: DistflowConfig, path: Path, write: bool) -> None:
