@@ -16,11 +16,13 @@ import os
 import sys
 
 from distflow.run.output import (
+    line_buffered_console,
     quiet_third_party_env,
     report_error,
 )
 
 quiet_third_party_env()  # before torch, vLLM or datasets start logging
+line_buffered_console()
 
 import hydra  # noqa: E402
 from hydra.core.config_store import ConfigStore  # noqa: E402

@@ -47,7 +47,7 @@ from distflow.run.checkpoint import POLICY, Checkpointer, ModelOptimState, RNGSt
 from distflow.run.export import export_live
 from distflow.run.faults import inject_fault, save_fault
 from distflow.run.loggers import MetricLogger
-from distflow.run.output import save_config, setup_output
+from distflow.run.output import note_expected_warnings, save_config, setup_output
 from distflow.run.preemption import StepBoundary, Stopped, StopSignal, write_stop_file
 from distflow.run.report import StragglerWatch, run_summary, step_report, timed
 from distflow.run.resume import agree_on_plan
@@ -143,6 +143,7 @@ class Trainer:
     def train(self) -> None:
         steps, v = self.cfg.run.steps, self.cfg.validation
         start = time.perf_counter()
+        note_expected_warnings(self.run_dir.rank_log(self.dist.rank))
         if self.stop_at_start():
             return
         if v.before_train and self.step == 0:

@@ -1,9 +1,9 @@
 """End to end with vLLM, as a user runs it: the README's smoke commands.
 
-The README's torchrun line, run straight through, checks what a healthy run writes and shows;
-the docs' launch/local.sh line starts a second run (spelled with the old trainer.* keys), which
-stops at step 2 and is continued to step 4: it must equal the first bit for bit, and the
-checkpoint's CLI export must equal the end-of-run export.
+The docs' launch/local.sh line, run straight through with its output into a file, checks what a
+healthy run writes and what its console shows; the README's torchrun line starts a second run
+(spelled with the old trainer.* keys), which stops at step 2 and is continued to step 4: it must
+equal the first bit for bit, and the checkpoint's CLI export must equal the end-of-run export.
 """
 
 import importlib.util
@@ -18,6 +18,8 @@ from safetensors.torch import load_file
 from docs_helpers import doc_command, run_doc_command
 from launch_helpers import ROOT, read_metrics, stable_metrics
 
+from distflow.run.output import EXPECTED
+
 pytestmark = [pytest.mark.slow, pytest.mark.vllm,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")]
 
@@ -31,8 +33,8 @@ LOCAL_SH = doc_command("launch/local.sh 2 experiment=smoke")
 EXTRA = ["model.dtype=float32", "task.reward=rewards_for_tests:digit_fraction", "checkpoint.every=2"]
 
 
-def _run(command, tmp, *overrides):
-    proc = run_doc_command(command, [*EXTRA, *overrides], tmp)
+def _run(command, tmp, *overrides, log_file=None):
+    proc = run_doc_command(command, [*EXTRA, *overrides], tmp, log_file=log_file)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
@@ -41,9 +43,12 @@ def _run(command, tmp, *overrides):
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("smoke")
     straight, split = tmp / "straight", tmp / "split"
-    procs = {"straight": _run(TORCHRUN, tmp, f"run.output_dir={straight}", "run.steps=4", "checkpoint.export_at_end=true"),
+    # the straight run: the quiet launcher, its output into a file as `... > log 2>&1` (a batch
+    # log, nohup, CI) would have it
+    procs = {"straight": _run(LOCAL_SH, tmp, f"run.output_dir={straight}", "run.steps=4", "checkpoint.export_at_end=true",
+                              log_file=tmp / "straight.log"),
              # the old spellings still work
-             "first_half": _run(LOCAL_SH, tmp, f"trainer.output_dir={split}", "trainer.steps=2"),
+             "first_half": _run(TORCHRUN, tmp, f"trainer.output_dir={split}", "trainer.steps=2"),
              # more steps than the checkpoint's run: asked for
              "continued": _run(TORCHRUN, tmp, f"run.output_dir={split}", "run.steps=4", "checkpoint.export_at_end=true",
                                "checkpoint.resume=force")}
@@ -71,13 +76,27 @@ def test_a_healthy_run_logs_every_step_and_writes_its_folder(runs):
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == [".hydra", "checkpoints", "hf_model", "logs"]
     assert (out / "summary.json").is_file() and (out / "training.png").stat().st_size > 0
     assert (out / ".distflow-run").is_file()
-    # the console is quiet: third-party INFO and the per-resync warnings stay in the log files
+    # the console is quiet: third-party INFO and the expected warnings stay in the log files
     logs = {r: (out / "logs" / f"rank_{r}.log").read_text() for r in (0, 1)}
-    console = proc.stdout + proc.stderr
-    assert "distflow: summary:" in proc.stdout
-    assert "non-default args" not in console and console.count("Failed to load weights") <= 1
+    console = proc.stdout  # stdout and stderr, in one file
+    assert "distflow: summary:" in console
+    assert "non-default args" not in console and "Failed to load weights" not in console
     assert all("non-default args" in text and text.count("Failed to load weights") >= 3 for text in logs.values())
     assert "deprecated" not in console
+    # ... and reads well in a file: no bar redraws, every line whole
+    lines = console.splitlines()
+    assert "\r" not in console
+    assert [line for line in lines if "distflow: " in line and not line.startswith("distflow: ")] == []
+    assert [line for line in lines if " | reward " in line and not line.startswith("step ")] == []
+    assert [line for line in lines if "] WARNING: " in line and not line.startswith("[")] == []
+    # before the first step: distflow's own lines and at most 3 others; the expected start-up
+    # warnings are one line, and every one of them is in rank 0's log
+    start_up = lines[:next(i for i, line in enumerate(lines) if line.startswith("step 1/4 |"))]
+    assert len([line for line in start_up if not line.startswith("distflow: ")]) <= 3, start_up
+    folded = [line for line in start_up if "expected start-up warnings from" in line]
+    assert len(folded) == 1, start_up
+    held = int(folded[0].split()[1])
+    assert held >= 5 and sum(fragment in line for line in logs[0].splitlines() for _, fragment in EXPECTED) >= held
 
 
 def test_a_stopped_run_continues_bit_exact_and_exports_the_same_weights(runs, tmp_path):

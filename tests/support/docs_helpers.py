@@ -46,9 +46,18 @@ def user_folder(tmp_path: Path) -> Path:
     return work
 
 
-def run_doc_command(command: str, extra: list[str], tmp_path: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    """The docs' `command` with `extra` overrides, typed in a user folder (the test rewards importable)."""
+def run_doc_command(command: str, extra: list[str], tmp_path: Path, timeout: float = 600,
+                    log_file: Path | None = None) -> subprocess.CompletedProcess:
+    """The docs' `command` with `extra` overrides, typed in a user folder (the test rewards importable).
+    With `log_file`, as `command > log_file 2>&1` would: both streams into one file, whose text
+    comes back as stdout (stderr is then empty)."""
     pythonpath = [str(SUPPORT), *(str(Path(p).resolve()) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(pythonpath))
-    return subprocess.run([*shlex.split(command), *extra], cwd=user_folder(tmp_path), env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    args = [*shlex.split(command), *extra]
+    if log_file is None:
+        return subprocess.run(args, cwd=user_folder(tmp_path), env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    with open(log_file, "w") as f:
+        proc = subprocess.run(args, cwd=user_folder(tmp_path), env=env, stdout=f, stderr=subprocess.STDOUT,
+                              timeout=timeout)
+    return subprocess.CompletedProcess(args, proc.returncode, Path(log_file).read_text(), "")

@@ -1,7 +1,9 @@
 """MetricLogger backends (console, jsonl, wandb offline, tensorboard) and distflow.run.plot."""
 
 import glob
+import io
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -41,9 +43,15 @@ def output_channel(tmp_path):
     reset_output()
 
 
-def logging_cfg(*loggers: str, progress_bar: bool = False, project: str = "distflow") -> LoggingConfig:
+def logging_cfg(*loggers: str, progress_bar: bool = False, project: str = "distflow",
+                every_s: float = 0.0) -> LoggingConfig:
     return LoggingConfig(loggers=list(loggers or ("console", "jsonl")), progress_bar=progress_bar,
-                         wandb_project=project)
+                         wandb_project=project, progress_every_s=every_s)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
 
 
 def test_jsonl_keeps_the_resumed_steps_and_console_prints_on_main_only(tmp_path, capsys, output_channel):
@@ -69,14 +77,34 @@ def test_jsonl_keeps_the_resumed_steps_and_console_prints_on_main_only(tmp_path,
     assert out.metrics.read_text() == ""
 
 
-def test_console_progress_bar_shows_step_reward_and_resumes_mid_run(tmp_path, capsys, output_channel):
+def test_console_progress_bar_shows_step_reward_and_resumes_mid_run(tmp_path, monkeypatch, output_channel):
+    monkeypatch.setattr(sys, "stderr", terminal := _Terminal())  # tqdm draws on stderr
     logger = MetricLogger(RunDir(tmp_path), True, 10, logging_cfg("console", progress_bar=True), {})
     logger.log(_row(4))  # a resumed run: the bar starts at step 4 of 10
     logger.close()
-    err, out = capsys.readouterr()
-    text = err + out
-    assert "4/10" in text and "reward=1.000" in text
+    text = terminal.getvalue()
+    assert "4/10" in text and "reward=1.000" in text and "\r" in text  # a bar, redrawn in place
     assert not (tmp_path / "metrics.jsonl").exists()  # jsonl not chosen
+
+
+def test_without_a_terminal_the_bar_becomes_plain_throttled_lines(tmp_path, capsys, monkeypatch, output_channel):
+    """Into a file or a pipe (capsys: not a terminal) the bar asked for is plain lines, no carriage
+    returns, log lines each on their own line; between the first and the last step at most one
+    line per progress_every_s."""
+    clock = iter([0.0, 1.0, 2.0, 5.0, 12.0, 13.0, 30.0])  # the logger's start, then one reading per step
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    logger = MetricLogger(RunDir(tmp_path), True, 6, logging_cfg("console", progress_bar=True, every_s=10.0), {})
+    for s in range(1, 7):
+        logger.log(_row(s))
+        logging.getLogger("distflow").info(f"after step {s}")
+    logger.close()
+    out, err = capsys.readouterr()
+    assert "\r" not in out + err
+    lines = out.splitlines()
+    shown = [int(line.split()[1].split("/")[0]) for line in lines if line.startswith("step ")]
+    assert shown == [1, 4, 6]  # step 1; step 4, 11 s after it; step 6, the last
+    assert [line for line in lines if "after step" in line] == [f"distflow: after step {s}" for s in range(1, 7)]
+    assert "step 4/6 | reward 1.000 | step 2.6s | eta 00:00:06" in lines  # 12 s for 4 steps, 2 left
 
 
 @pytest.fixture

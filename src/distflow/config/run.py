@@ -102,11 +102,16 @@ class LoggingConfig:
     loggers: List[Logger] = knob(factory=lambda: ["console", "jsonl"], operational=True,
                                  doc="Where step metrics go, several at once (distflow.run.loggers).")
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = knob(
-        "WARNING", "Third-party messages (vLLM, transformers, ...) on rank 0's console from this level up; INFO also "
-        "shows the warnings expected on every resync. Every rank's logs/rank_<r>.log holds everything regardless.",
+        "WARNING", "Third-party messages (vLLM, transformers, ...) on rank 0's console from this level up. Below INFO "
+        "the warnings expected at start-up and on every resync are one line that counts them; INFO shows each. Every "
+        "rank's logs/rank_<r>.log holds everything regardless.",
         operational=True)
-    progress_bar: bool = knob(True, "A tqdm bar on rank 0's console; false: one plain line per step.",
-                              operational=True)
+    progress_bar: bool = knob(
+        True, "A tqdm bar on rank 0's console when it is a terminal. Output to a file or a pipe (a batch log, "
+        "nohup, CI), or false: plain progress lines instead (logging.progress_every_s).", operational=True)
+    progress_every_s: float = knob(
+        10.0, "Without a bar, a progress line (step, reward, step time, ETA) at the first and the last step and at "
+        "most once per this many seconds between them; 0: every step.", operational=True)
     wandb_project: str = knob("distflow", "The W&B project (loggers: wandb).", operational=True)
     plot_at_end: bool = knob(True, "Write training.png at the end of the run (distflow.run.plot).", operational=True)
     straggler_warn_steps: int = knob(
@@ -114,4 +119,5 @@ class LoggingConfig:
         "steps and is >10% slower than the fastest (a slow node); 0: never warn.", operational=True)
 
     def checks(self) -> list[tuple[bool, str]]:
-        return [(self.straggler_warn_steps >= 0, "logging.straggler_warn_steps must be >= 0 (0 = never warn)")]
+        return [(self.straggler_warn_steps >= 0, "logging.straggler_warn_steps must be >= 0 (0 = never warn)"),
+                (self.progress_every_s >= 0, "logging.progress_every_s must be >= 0 (0 = every step)")]

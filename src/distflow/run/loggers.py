@@ -5,8 +5,9 @@ itself decides that only rank 0 writes, so no trainer code branches on the rank.
 
 Loggers are chosen by name (`logging.loggers`), several at once:
 
-  console      tqdm bar on rank 0 (step/total, reward, step time, ETA); with progress_bar=False
-               one plain line per step instead (friendlier in batch logs)
+  console      tqdm bar on rank 0 (step/total, reward, step time, ETA) when its console is a
+               terminal; into a file or a pipe, or with progress_bar=False, plain lines instead
+               (first and last step, and at most one per progress_every_s between them)
   jsonl        <output_dir>/metrics.jsonl, one JSON object per step; a resumed run keeps the rows
                up to its checkpoint's step (steps logged after the last checkpoint by the run that
                died are dropped, so each step appears once), then appends
@@ -22,6 +23,7 @@ import json
 import logging
 import math
 import secrets
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -63,15 +65,23 @@ def _fmt(value: Any, spec: str) -> str:
 
 # ----------------------------------------------------------------------------- backends
 class _Console:
-    def __init__(self, total_steps: int, progress_bar: bool):
-        self.total = total_steps
+    """A tqdm bar when rank 0's console is a terminal; otherwise plain lines, throttled.
+
+    A bar written into a file (a batch log, nohup, CI) leaves every redraw there, carriage
+    returns and all, and the next log line glued behind the last one: without a terminal a line
+    is printed for the first and the last step and for at most one step per `every_s` seconds
+    between them, each with the bar's figures."""
+
+    def __init__(self, total_steps: int, progress_bar: bool, every_s: float = 0.0):
+        self.total, self.every_s = total_steps, every_s
         self.bar = None
         self.t0 = time.perf_counter()
         self.first_step: int | None = None
-        if progress_bar:
+        self.last_line = -math.inf
+        if progress_bar and _is_terminal(sys.stderr):  # where tqdm draws
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if self.first_step is None:
@@ -85,16 +95,29 @@ class _Console:
             self.bar.update(max(step - self.bar.n, 0))
             self.bar.set_postfix(postfix)
             return
+        now = time.perf_counter()
+        edge = step == self.first_step or step >= self.total
+        if not edge and now - self.last_line < self.every_s:
+            return
+        self.last_line = now
         done = step - self.first_step + 1
-        elapsed = time.perf_counter() - self.t0
         left = max(self.total - step, 0)
-        eta = time.strftime("%H:%M:%S", time.gmtime(elapsed / done * left)) if done > 0 else "?"
-        print(f"step {step}/{self.total} | reward {postfix['reward']} | step {postfix['step_s']}s | eta {eta}",
-              flush=True)
+        eta = time.strftime("%H:%M:%S", time.gmtime((now - self.t0) / done * left)) if done > 0 else "?"
+        # one write per line: another rank's error line on the same console cannot land inside it
+        sys.stdout.write(f"step {step}/{self.total} | reward {postfix['reward']} | step {postfix['step_s']}s "
+                         f"| eta {eta}\n")
+        sys.stdout.flush()
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # a replaced or closed stream
+        return False
 
 
 class _Jsonl:
@@ -174,7 +197,7 @@ class MetricLogger:
         if not self.active:
             return
         run.root.mkdir(parents=True, exist_ok=True)
-        build = {"console": lambda: _Console(total_steps, cfg.progress_bar),
+        build = {"console": lambda: _Console(total_steps, cfg.progress_bar, cfg.progress_every_s),
                  "jsonl": lambda: _Jsonl(run.metrics, resumed_step),
                  "wandb": lambda: _Wandb(run, cfg.wandb_project, run_config),
                  "tensorboard": lambda: _TensorBoard(run)}

