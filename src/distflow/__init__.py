@@ -1,3 +1,8 @@
-from importlib.metadata import version as _v
+"""distflow: distributed RL post-training for LLMs (see the README)."""
 
-__version__ = _v("distflow")
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("distflow")
+except PackageNotFoundError:  # run from a source tree on PYTHONPATH, not installed (the GPU check)
+    __version__ = "0+source"
