@@ -130,11 +130,10 @@ def code_lines(path: Path) -> list[str]:
 
 
 def fake_python(path: Path, cuda: str = "13.0") -> Path:
-    """A stand-in interpreter that answers the template's torch check with a CUDA build, and hands
-    the template's config pre-flight (`grpo.py --check-config ...`) to the real interpreter."""
+    """A stand-in interpreter that answers the template's torch check with a CUDA build (and passes
+    its config pre-flight, whose output the template discards)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f'#!/usr/bin/env bash\n[[ "${{2:-}}" == --check-config ]] && exec {sys.executable} "$@"\n'
-                    f'echo "2.13.0 {cuda}"\n')
+    path.write_text(f'#!/usr/bin/env bash\necho "2.13.0 {cuda}"\n')
     path.chmod(0o755)
     return path
 
