@@ -19,6 +19,7 @@ from distflow.run.output import (
     line_buffered_console,
     quiet_third_party_env,
     report_error,
+    write_line,
 )
 
 quiet_third_party_env()  # before torch, vLLM or datasets start logging
@@ -50,7 +51,7 @@ def _prepare_argv() -> None:
     args, notes = rename_overrides(sys.argv[1:])
     if int(os.environ.get("RANK", "0")) == 0:
         for note in notes:
-            print(f"distflow: warning: {note}", file=sys.stderr, flush=True)
+            write_line(f"distflow: warning: {note}", sys.stderr)
     if "WORLD_SIZE" in os.environ and any(a in ("-m", "--multirun") for a in args):
         sys.exit("distflow: error: Hydra multirun (-m) is not supported under torchrun; "
                  "sweep by launching one torchrun per configuration instead.")
@@ -105,7 +106,7 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     except RunComplete as e:
         if os.environ.get("RANK", "0") == "0":
-            print(f"distflow: {e}", flush=True)
+            write_line(f"distflow: {e}")
         sys.exit(0)
     try:
         trainer.train()
@@ -114,9 +115,7 @@ def main(cfg: DictConfig) -> None:
         sys.exit(1)
     except Exception as e:
         # name the failing rank; torchrun then stops the others (or they time out in a collective)
-        # (one write: the other ranks' lines on the same console cannot land inside it)
-        sys.stderr.write(f"distflow: rank {os.environ.get('RANK', '0')} failed: {type(e).__name__}: {e}\n")
-        sys.stderr.flush()
+        write_line(f"distflow: rank {os.environ.get('RANK', '0')} failed: {type(e).__name__}: {e}", sys.stderr)
         raise
     finally:
         trainer.close()

@@ -30,6 +30,7 @@ from typing import Any
 
 from distflow.config import LoggingConfig
 from distflow.distributed import all_reduce
+from distflow.run.output import write_line
 from distflow.run.rundir import RunDir
 
 log = logging.getLogger("distflow")
@@ -103,10 +104,7 @@ class _Console:
         done = step - self.first_step + 1
         left = max(self.total - step, 0)
         eta = time.strftime("%H:%M:%S", time.gmtime((now - self.t0) / done * left)) if done > 0 else "?"
-        # one write per line: another rank's error line on the same console cannot land inside it
-        sys.stdout.write(f"step {step}/{self.total} | reward {postfix['reward']} | step {postfix['step_s']}s "
-                         f"| eta {eta}\n")
-        sys.stdout.flush()
+        write_line(f"step {step}/{self.total} | reward {postfix['reward']} | step {postfix['step_s']}s | eta {eta}")
 
     def close(self) -> None:
         if self.bar is not None:

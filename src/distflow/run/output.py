@@ -57,6 +57,15 @@ EXPECTED = (
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
+def write_line(text: str, stream=None) -> None:
+    """`text` and its newline in one write, flushed (stream: stdout by default). Ranks and torchrun
+    share one console: a line written in two parts (print's text, then its end) can have another
+    process's line land between them."""
+    stream = stream if stream is not None else sys.stdout
+    stream.write(text + "\n")
+    stream.flush()
+
+
 def line_buffered_console() -> None:
     """stdout and stderr flush at every line end. Into a file or a pipe (a batch log, nohup, CI)
     Python buffers them in 8 KiB blocks, which cut lines anywhere: the ranks, torchrun and the
@@ -110,8 +119,7 @@ class _ConsoleHandler(logging.Handler):
         try:
             from tqdm import tqdm
 
-            # one write per line (tqdm.write's own end would be a second): another rank's error
-            # line, on the same console, cannot land inside it
+            # one write per line, as write_line (tqdm.write's own end would be a second)
             tqdm.write(self.format(record) + "\n", file=sys.stdout, end="")
         except Exception:  # noqa: BLE001 - logging must never raise
             self.handleError(record)
@@ -130,13 +138,12 @@ class _Formatter(logging.Formatter):
 def note_expected_warnings(log_file: Path) -> None:
     """Start-up is over: one console line (rank 0) for the expected third-party warnings held back
     so far, naming the file that has them all; later ones go to the file only."""
-    for handler in logging.getLogger().handlers:
-        for f in handler.filters if getattr(handler, "_distflow", False) else ():
-            if isinstance(f, _ConsoleFilter) and f.held:
+    for f in (f for handler in logging.getLogger().handlers for f in handler.filters):
+        if isinstance(f, _ConsoleFilter):
+            if f.held:
                 total, names = sum(f.held.values()), " and ".join(sorted(f.held))
                 LOG.info(f"{total} expected start-up warning{'s' if total > 1 else ''} from {names}, kept in {log_file}")
-            if isinstance(f, _ConsoleFilter):
-                f.held = None
+            f.held = None
 
 
 def reset_output() -> None:
@@ -192,8 +199,7 @@ def report_error(message: str) -> None:
     torchrun's failure summary names this error instead of `<N/A>`. The line stands where the
     file's format has a Python traceback: the summary shows that field."""
     line = f"distflow: error: {message}"
-    sys.stderr.write(line + "\n")  # one write: ranks sharing a console never glue their lines together
-    sys.stderr.flush()
+    write_line(line, sys.stderr)
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         record = {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}
