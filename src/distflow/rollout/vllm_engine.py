@@ -32,6 +32,7 @@ import torch
 
 from distflow.config import MAX_ENGINE_LORA_RANK, ConfigError, ModelConfig, RolloutConfig
 from distflow.distributed.devices import enforce_eager, torch_dtype
+from distflow.rollout.weight_sync import CheckpointNames
 from distflow.sample import Sample
 
 
@@ -54,6 +55,22 @@ def check_platform(device_type: str, vllm_on_cpu: bool) -> None:
                           "use the CUDA install (`make install-gpu`, .venv-gpu)")
 
 
+def check_native_model(model_path: str, trust_remote_code: bool) -> None:
+    """vLLM serves architectures it has no implementation of through its Transformers backend,
+    which rewires transformers' own model class in place (a torch.compile wrapper on its decoder
+    class). The policy is an instance of that same class in the same process, and it can no
+    longer be built once the engine is up, so such a model is refused before anything loads."""
+    from transformers import AutoConfig
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    archs = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).architectures or []
+    entries = {a: ModelRegistry.models.get(a) for a in archs}
+    if not any(e is not None and not e.module_name.endswith(".transformers") for e in entries.values()):
+        raise ConfigError(f"vLLM has no implementation of its own for {', '.join(archs) or 'this model'} and would "
+                          "serve it through its Transformers backend, which rewires the transformers class the policy "
+                          "trains in the same process; use rollout=hf for this model")
+
+
 def _repack_tied_lm_head(worker) -> None:
     """On CPU vLLM pre-packs linear weights; a head tied to the embedding must be re-packed
     after the embedding changed, or generation keeps using the old head."""
@@ -63,6 +80,18 @@ def _repack_tied_lm_head(worker) -> None:
     head = getattr(model, "lm_head", None)
     if head is not None and hasattr(head, "weight") and head.weight.dim() == 2:
         dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+
+
+def _repack_cpu_experts(worker) -> None:
+    """vLLM 0.32's CPU mixture-of-experts kernel packs the expert weights into its grouped-GEMM
+    layout on the first load only. An in-place reload leaves them in the checkpoint layout, which
+    that kernel reads as garbage (UnquantizedFusedMoEMethod._setup_kernel skips the experts'
+    process_weights_after_loading on a weight update): a Qwen3-MoE's logprobs drifted by 4e-2
+    after a resync of unchanged weights. Pack them again, as the first load did."""
+    for module in worker.model_runner.get_model().modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if kernel is not None and hasattr(module, "w13_weight"):
+            kernel.fused_experts.process_weights_after_loading(module)
 
 
 class VLLMEngine:
@@ -77,6 +106,9 @@ class VLLMEngine:
         from vllm.platforms import current_platform
 
         check_platform(device.type, current_platform.is_cpu())
+        check_native_model(model_path, model.trust_remote_code)
+        # built before the engine, which may rewire transformers classes
+        self.checkpoint_names = CheckpointNames(model_path, model.trust_remote_code)
         self.cfg = rollout
         self.on_cpu = on_cpu
         kwargs = dict(
@@ -166,10 +198,13 @@ class VLLMEngine:
         if asleep:
             self.llm.wake_up(tags=["weights"])
         # In-process executor: the iterator is consumed lazily inside vLLM's loader, so
-        # parameters stream from the FSDP shards straight into the engine's tensors.
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        if self.tied_head and self.on_cpu:
-            self.llm.collective_rpc(_repack_tied_lm_head)
+        # parameters stream from the FSDP shards straight into the engine's tensors, under the
+        # names a model folder holds (CheckpointNames).
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self.checkpoint_names(weights)})
+        if self.on_cpu:
+            if self.tied_head:
+                self.llm.collective_rpc(_repack_tied_lm_head)
+            self.llm.collective_rpc(_repack_cpu_experts)
         if asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.sleeping = False
