@@ -24,7 +24,7 @@ from distflow.distributed.devices import torch_dtype
 from distflow.distributed.layout import ParallelLayout
 from distflow.train.batch import TokenBatch
 from distflow.train.grad_sync import ReplicaGradReducer
-from distflow.train.lm_head import chunked_stats, head_replaced, output_head, token_stats
+from distflow.train.lm_head import chunked_stats, head_replaced, logit_softcap, output_head, token_stats
 from distflow.train.lora import (
     adapters_disabled,
     add_adapters,
@@ -220,12 +220,14 @@ class Policy(ShardedModel):
         # logprob passes (no grad) run without the adapters' dropout: deterministic, as the engine
         quiet = dropout_off(self.model) if self.lora and not torch.is_grad_enabled() else contextlib.nullcontext()
         if self.logprob_chunk_tokens > 0:  # the head runs chunk by chunk (distflow.train.lm_head)
+            softcap = logit_softcap(self.model.config)  # read before head_replaced turns the model's own off
+
             def chunked_head(hidden: torch.Tensor) -> torch.Tensor:
                 window = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
                 return chunked_stats(window, self.head, targets, batch.resp_mask, temperature,
-                                     self.logprob_chunk_tokens, with_entropy, self.head_dtype)
+                                     self.logprob_chunk_tokens, with_entropy, self.head_dtype, softcap)
 
-            with head_replaced(self.head, chunked_head), quiet:
+            with head_replaced(self.model, self.head, chunked_head), quiet:
                 stats = self.model(**inputs).logits  # [B, R, 1 or 2]
             lp, entropy = stats[..., 0], (stats[..., 1] if with_entropy else None)
         else:  # [B, R, V] logits for the whole micro-batch
