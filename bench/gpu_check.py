@@ -172,13 +172,13 @@ def main() -> int:
         "experiment=smoke", "model.dtype=bfloat16", *device, *probe, f"run.steps={smoke_steps}",
         "model.lora.enabled=true", "algorithm.kl_coef=0.05", "optim.lr=1e-3"], out, a.timeout)
     sys.path.insert(0, str(ROOT / "src"))
-    from distflow.rollout.weight_sync import PROBE_WARN_ABOVE
+    from distflow.rollout.weight_sync import PROBE_LIMIT
 
     fp32, bf16 = runs["smoke_float32"], runs["smoke_bfloat16"]
     checks = {
         "all_runs_finished": all(r["rc"] == 0 and r["steps"] > 0 for r in runs.values()),
         "fp32_probe_within_1e-5": (fp32.get("probe_max_abs_logprob_diff") or 1.0) <= PROBE_FP32,
-        "bf16_probe_below_warning": all((r.get("probe_max_abs_logprob_diff") or 99.0) <= PROBE_WARN_ABOVE["bfloat16"]
+        "bf16_probe_below_warning": all((r.get("probe_max_abs_logprob_diff") or 99.0) <= PROBE_LIMIT["bfloat16"]
                                         for r in (bf16, runs[f"{model}_bfloat16"], runs["lora_bfloat16"])),
     }
     result = {"bench": "gpu_check", "dry_run": a.dry_run, "date": time.strftime("%Y-%m-%dT%H:%M:%S"),

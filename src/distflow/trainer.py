@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from distflow.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, dynamic_sampling_keep
 from distflow.config import DistflowConfig, config_record
@@ -42,10 +42,10 @@ from distflow.rollout.episodes import EpisodeRunner, SingleTurn
 from distflow.rollout.evaluation import evaluate
 from distflow.rollout.groups import Rollouts, sample_seed
 from distflow.rollout.scoring import score_groups, shape_rewards
-from distflow.rollout.weight_sync import full_parameters, max_logprob_diff, warn_if_out_of_sync
+from distflow.rollout.weight_sync import full_parameters, max_logprob_diff, mismatch_line
 from distflow.run.checkpoint import POLICY, Checkpointer, ModelOptimState, RNGState
 from distflow.run.export import export_live
-from distflow.run.faults import inject_fault, save_fault
+from distflow.run.faults import inject_fault, resync_fault, save_fault
 from distflow.run.loggers import MetricLogger
 from distflow.run.output import note_expected_warnings, save_config, setup_output
 from distflow.run.preemption import StepBoundary, Stopped, StopSignal, write_stop_file
@@ -101,6 +101,8 @@ class Trainer:
         torch.manual_seed(r.seed)
         self.model_path = on_local_rank0_first(lambda: resolve_model_path(cfg.model.path), self.dist.local_rank)
         self.tokenizer = tok = AutoTokenizer.from_pretrained(self.model_path)
+        self.model_type = AutoConfig.from_pretrained(self.model_path,
+                                                     trust_remote_code=cfg.model.trust_remote_code).model_type
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         # a bad reward or task.env stops here, before any model loads; workers start while the models load
         self.rewards = RewardPool.from_task(cfg.task)
@@ -146,6 +148,7 @@ class Trainer:
         note_expected_warnings(self.run_dir.rank_log(self.dist.rank))
         if self.stop_at_start():
             return
+        self.check_engine_at_start()
         if v.before_train and self.step == 0:
             self.evaluations["before"] = self.validate()
         while self.step < steps:
@@ -311,7 +314,8 @@ class Trainer:
             self.engine.load_adapter(adapter_tensors(self.policy.model), self.policy.adapter_config)
             return
         bucket = self.cfg.rollout.sync_bucket_mib << 20
-        self.engine.load_weights(full_parameters(self.policy.model, getattr(torch, self.cfg.model.dtype), bucket))
+        weights = full_parameters(self.policy.model, getattr(torch, self.cfg.model.dtype), bucket)
+        self.engine.load_weights(resync_fault(self.cfg.run.fault_inject, self.dist.rank, self.step, weights))
 
     def probe_sync(self, samples: list[Sample]) -> float:
         """Max |engine - policy| logprob on this step's sequences, after the resync (NaN when not probed)."""
@@ -319,8 +323,29 @@ class Trainer:
         if n == 0 or (self.step % every and self.step != 1):
             return float("nan")
         seqs = [s.prompt_ids + s.response_ids for s in samples[:n]] or [[self.pad_id, self.pad_id]]
-        return warn_if_out_of_sync(max_logprob_diff(self.engine, self.policy, seqs, self.pad_id), self.cfg.model.dtype,
-                                   self.step)
+        return self.check_engine(seqs, f"step {self.step}")
+
+    def check_engine_at_start(self) -> None:
+        """Once, before any step, whatever run.sync_probe_every says: the engine as loaded (or as
+        resynced from the checkpoint) against the policy, on this rank's first prompts. A model
+        family the two compute differently stops here instead of training silently."""
+        n = max(self.cfg.run.sync_probe_seqs, 2)
+        seqs = [item.prompt_ids for item in self.items[:n]] or [[self.pad_id, self.pad_id]]
+        diff = self.check_engine(seqs, "start-up")
+        log.info(f"start-up probe: engine and policy logprobs agree to {diff:.3g}")
+
+    def check_engine(self, seqs: list[list[int]], when: str) -> float:
+        """The largest |engine - policy| logprob of any rank on `seqs` (every rank gets the same
+        value); past PROBE_LIMIT the run stops on every rank with one line, or warns with
+        run.allow_engine_mismatch."""
+        diff = max_logprob_diff(self.engine, self.policy, seqs, self.pad_id)
+        diff = float(all_reduce(diff, op="max")[0])
+        line = mismatch_line(diff, self.cfg.model.dtype, self.model_type, when)
+        if line and not self.cfg.run.allow_engine_mismatch:
+            raise RunAborted(line)
+        if line:
+            log.warning(line)
+        return diff
 
     def validate(self) -> dict[str, float]:
         return evaluate(self.runner, self.rewards, self.tokenizer, self.heldout, self.dist, self.cfg.validation.pass_k,

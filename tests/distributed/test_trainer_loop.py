@@ -69,6 +69,7 @@ def cases(tmp: Path) -> list[tuple[str, str, list[str], dict]]:
     ppo = ["algorithm=ppo", "critic.warmup_steps=1", "critic.lr=1e-3", "checkpoint.every=2"]
     balance = ["run.steps=2", "run.sync_probe_every=5", "task=jsonl", f"task.path={skewed}", "data.shuffle=false",
                "rollout.max_prompt_tokens=256"]
+    stale = ["run.steps=1", "optim.lr=1e-2", "optim.warmup_steps=0"]  # one step moves every weight ~1e-2
     run = [(f"algo_{a}", f"algo_{a}", [f"algorithm={a}", "run.steps=2"], {}) for a in ALGORITHMS]
     run += [
         ("kl_tis", "kl_tis", ["run.steps=2", "algorithm.kl_coef=0.05", "algorithm.entropy_coef=0.01",
@@ -88,6 +89,12 @@ def cases(tmp: Path) -> list[tuple[str, str, list[str], dict]]:
         ("balance_on", "balance_on", [*balance, "run.balance_lengths=true"], {}),
         ("straggler", "straggler", ["run.fault_inject='1:2+:sleep=1.5'", "logging.straggler_warn_steps=2"], {}),
         ("nan_streak", "nan_streak", ["run.steps=5", "run.fault_inject=0:2+:nan", "run.max_nonfinite_steps=2"], {}),
+        ("stale_step", "stale_step", [*stale, "run.fault_inject=0:1:stale_resync"], {}),
+        ("stale_allowed", "stale_allowed", [*stale, "run.fault_inject=0:1:stale_resync", "run.allow_engine_mismatch=true"],
+         {}),
+        ("stale_first", "stale_resume", stale, {}),
+        ("stale_resumed", "stale_resume", [*stale, "run.steps=2", "checkpoint.resume=force",
+                                           "run.fault_inject=1:1:stale_resync"], {}),
         ("cpu_on_gpu_machine", "cpu_on_gpu_machine", ["run.steps=1", "run.device=cpu"],
          {"CUDA_VISIBLE_DEVICES": "0"}),
         ("lora_wandb", "reused", ["run.steps=1", "model.lora.enabled=true", "checkpoint.export_at_end=true",
@@ -319,6 +326,27 @@ def test_nonfinite_steps_in_a_row_stop_every_rank(runs):
     assert [row["step"] for row in r["rows"]] == [1, 2, 3]
     assert [row["update/nonfinite_skipped"] for row in r["rows"]] == [0.0, 1.0, 1.0]
     assert "checkpoints" not in r["files"]  # no checkpoint of a run that stopped
+
+
+def test_an_engine_that_does_not_hold_the_policy_stops_the_run(runs):
+    """One tensor left out of a resync (the embedding, trained at lr 1e-2): the probe after it stops
+    every rank with the same line, at step 1 of a fresh run and at the start-up of a resumed one,
+    before any step trains on it; run.allow_engine_mismatch turns the stop into a warning."""
+    step, resumed = runs["stale_step"], runs["stale_resumed"]
+    for r, when in ((step, "step 1: "), (resumed, "start-up: ")):
+        assert r["outcome"] == "aborted" and r["ranks"][0] == r["ranks"][1], r["ranks"]
+        line = r["ranks"][0]
+        assert line.startswith(f"{when}the engine's logprobs differ from the policy's by up to ") and "(qwen2, float32;" \
+            in line and line.endswith("run.allow_engine_mismatch=true trains anyway"), line
+        assert float(line.split("by up to ")[1].split()[0]) > 1e-3, line
+    assert step["rows"] == [] and "checkpoints" not in step["files"]  # stopped inside step 1
+    assert [row["step"] for row in resumed["rows"]] == [1]  # the resumed run stopped before its step 2
+    assert "resumed from step 1" in resumed["log"]
+    rows = _trained(runs, "stale_allowed", steps=1)
+    assert rows[0]["sync/max_abs_logprob_diff"] > 1e-3
+    assert "step 1: the engine's logprobs differ" in runs["stale_allowed"]["log"]
+    # a healthy run: the start-up probe agrees to float32 noise
+    assert "start-up probe: engine and policy logprobs agree to" in runs["stale_first"]["log"]
 
 
 def test_run_device_cpu_trains_on_a_machine_that_shows_gpus(runs):

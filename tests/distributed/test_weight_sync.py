@@ -104,12 +104,15 @@ def test_resync_casts_shards_before_gathering(tiny_model_dir):
         assert bf16["out"] == ["torch.bfloat16"] and fp32["out"] == ["torch.float32"]
 
 
-@pytest.mark.parametrize("diff,dtype,warns", [
+@pytest.mark.parametrize("diff,dtype,stops", [
     (1e-6, "float32", False), (1.3e-4, "float32", False), (5e-3, "float32", True),
     (0.3, "bfloat16", False), (1.3, "bfloat16", False), (5.0, "bfloat16", True), (float("nan"), "float32", False),
 ])
-def test_probe_warning_threshold_depends_on_the_dtype(diff, dtype, warns, caplog):
-    from distflow.rollout.weight_sync import warn_if_out_of_sync
+def test_probe_limit_depends_on_the_dtype(diff, dtype, stops):
+    from distflow.rollout.weight_sync import mismatch_line
 
-    assert warn_if_out_of_sync(diff, dtype, step=3) == diff or diff != diff
-    assert ("step 3: the engine's logprobs differ" in caplog.text) is warns
+    line = mismatch_line(diff, dtype, "qwen3_moe", "step 3")
+    assert (line is not None) is stops
+    if stops:
+        assert line.startswith("step 3: the engine's logprobs differ") and "qwen3_moe" in line, line
+        assert "run.allow_engine_mismatch=true" in line and "\n" not in line, line

@@ -30,6 +30,10 @@ class RunConfig:
                                 "policy's after the resync; 0: never probe.", operational=True)
     sync_probe_every: int = knob(10, "Probe at step 1 and every N steps (a forward pass in engine and policy, about "
                                  "10% of a SmolLM2 step on CPU).", operational=True)
+    allow_engine_mismatch: bool = knob(
+        False, "A probe (at start-up and on probed steps) past what the dtype explains stops the run: the engine "
+        "would sample from another distribution than the policy trains (distflow.rollout.weight_sync.PROBE_LIMIT). "
+        "true: warn and train anyway.", operational=True)
     max_nonfinite_steps: int = knob(
         3, "A step whose loss or gradient norm is not finite on any rank is skipped on all ranks "
         "(update/nonfinite_skipped); this many consecutive skipped steps stop the run.", operational=True)
@@ -38,9 +42,10 @@ class RunConfig:
         "(glibc's M_MMAP_THRESHOLD, distflow.distributed.hostmem); 0: glibc's default, which climbs to 32 MiB and "
         "keeps freed activations resident (bench/memory.py).", operational=True)
     fault_inject: str = knob(
-        "", "Test-only: RANK:STEP[:kill|raise|nan|kill_saving|sleep=S] fails that rank during that step (STEP+: that "
-        "step and every later one; nan makes its loss NaN; sleep=S delays it S seconds before its update; "
-        "kill_saving kills it in the middle of that step's checkpoint write).", operational=True)
+        "", "Test-only: RANK:STEP[:kill|raise|nan|kill_saving|sleep=S|stale_resync] fails that rank during that step "
+        "(STEP+: that step and every later one; nan makes its loss NaN; sleep=S delays it S seconds before its update; "
+        "kill_saving kills it in the middle of that step's checkpoint write; stale_resync leaves a tensor out of its "
+        "resync).", operational=True)
 
     def checks(self) -> list[tuple[bool, str]]:
         return [

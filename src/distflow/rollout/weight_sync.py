@@ -19,7 +19,8 @@ from distflow.train.lora import merged_parameters
 
 log = logging.getLogger("distflow")
 
-# The post-resync probe warns above these max |engine - policy| logprobs. In float32 both sides
+# The probe stops the run above these max |engine - policy| logprobs (run.allow_engine_mismatch:
+# it warns instead). In float32 both sides
 # compute the same function and differ by summation order: <= 1e-6 on the tiny model and 6e-5 to
 # 1.3e-4 on SmolLM2-135M with vLLM on CPU (the demo's metrics), so 1e-3 already means a wrong or
 # partial resync. In bfloat16 the engine's kernels round differently from the trainer's, and the
@@ -27,7 +28,7 @@ log = logging.getLogger("distflow")
 # runs (vLLM on CPU, 8 probes; the trained tokens' own mean |diff| is ~0.035, mismatch/abs_mean);
 # unloaded or wrong tensors give several nats. So bf16's probe catches only a broken resync; the
 # exactness check is float32's. docs/concepts.md lists the expected ranges.
-PROBE_WARN_ABOVE = {"float32": 1e-3, "bfloat16": 3.0}
+PROBE_LIMIT = {"float32": 1e-3, "bfloat16": 3.0}
 
 
 @torch.no_grad()
@@ -47,13 +48,15 @@ def max_logprob_diff(engine, policy, seqs: list[list[int]], pad_id: int) -> floa
     return diff
 
 
-def warn_if_out_of_sync(diff: float, dtype: str, step: int) -> float:
-    """`diff`, after logging a warning when it is past what `dtype` explains (PROBE_WARN_ABOVE)."""
-    limit = PROBE_WARN_ABOVE[dtype]
-    if diff > limit:
-        log.warning(f"step {step}: the engine's logprobs differ from the policy's by up to {diff:.3g} after the "
-                    f"resync, more than {limit:g} expected in {dtype}: the engine may not hold the policy's weights")
-    return diff
+def mismatch_line(diff: float, dtype: str, model_type: str, when: str) -> str | None:
+    """None while `diff` is what `dtype` explains (PROBE_LIMIT), else the one line that says the
+    engine does not compute what the policy trains. NaN (nothing probed) passes."""
+    limit = PROBE_LIMIT[dtype]
+    if not diff > limit:
+        return None
+    return (f"{when}: the engine's logprobs differ from the policy's by up to {diff:.3g} ({model_type}, {dtype}; at "
+            f"most {limit:g} expected): the engine does not compute what the policy trains, or does not hold its "
+            "weights; run.allow_engine_mismatch=true trains anyway")
 
 
 def full_parameters(

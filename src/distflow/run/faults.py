@@ -1,13 +1,13 @@
 """Test-only fault injection (run.fault_inject): how the tests make a rank die, raise, lag
-behind the others or produce NaN losses at a chosen step of a real run, or die in the middle of a
-checkpoint write."""
+behind the others or produce NaN losses at a chosen step of a real run, die in the middle of a
+checkpoint write, or leave a tensor out of a resync."""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -30,7 +30,7 @@ def inject_fault(spec: str, rank: int, step: int, batch: UpdateBatch) -> UpdateB
     its loss is NaN; `sleep=S` makes the rank S seconds slower before its update (a straggler the
     others wait for); `kill_saving` is `save_fault`'s."""
     mode = _hit(spec, rank, step)
-    if mode in (None, "kill_saving"):
+    if mode in (None, "kill_saving", "stale_resync"):
         return batch
     if mode.startswith("sleep="):
         time.sleep(float(mode.removeprefix("sleep=")))
@@ -55,3 +55,14 @@ def save_fault(spec: str, rank: int) -> Callable[[int], None] | None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     return hook
+
+
+def resync_fault(spec: str, rank: int, step: int, weights: Iterable) -> Iterable | Iterator:
+    """"RANK:STEP:stale_resync": that rank's resync at STEP (the one after STEP's update, or the
+    resume's when the run resumes from STEP) leaves out its first tensor, so the engine keeps a stale
+    copy of it, as a broken resync would."""
+    if _hit(spec, rank, step) != "stale_resync":
+        return weights
+    stream = iter(weights)
+    next(stream, None)
+    return stream
