@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoTokenizer
 
 from distflow.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, dynamic_sampling_keep
 from distflow.config import DistflowConfig, config_record
@@ -101,8 +101,6 @@ class Trainer:
         torch.manual_seed(r.seed)
         self.model_path = on_local_rank0_first(lambda: resolve_model_path(cfg.model.path), self.dist.local_rank)
         self.tokenizer = tok = AutoTokenizer.from_pretrained(self.model_path)
-        self.model_type = AutoConfig.from_pretrained(self.model_path,
-                                                     trust_remote_code=cfg.model.trust_remote_code).model_type
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         # a bad reward or task.env stops here, before any model loads; workers start while the models load
         self.rewards = RewardPool.from_task(cfg.task)
@@ -326,21 +324,19 @@ class Trainer:
         return self.check_engine(seqs, f"step {self.step}")
 
     def check_engine_at_start(self) -> None:
-        """Once, before any step, whatever run.sync_probe_every says: the engine as loaded (or as
-        resynced from the checkpoint) against the policy, on this rank's first prompts. A model
-        family the two compute differently stops here instead of training silently."""
+        """Once before any step, whatever run.sync_probe_every says: the engine as loaded (or resynced from
+        the checkpoint) against the policy, on this rank's first prompts; a mismatched family stops here."""
         n = max(self.cfg.run.sync_probe_seqs, 2)
         seqs = [item.prompt_ids for item in self.items[:n]] or [[self.pad_id, self.pad_id]]
         diff = self.check_engine(seqs, "start-up")
         log.info(f"start-up probe: engine and policy logprobs agree to {diff:.3g}")
 
     def check_engine(self, seqs: list[list[int]], when: str) -> float:
-        """The largest |engine - policy| logprob of any rank on `seqs` (every rank gets the same
-        value); past PROBE_LIMIT the run stops on every rank with one line, or warns with
-        run.allow_engine_mismatch."""
+        """The largest |engine - policy| logprob of any rank on `seqs`; past PROBE_LIMIT every rank stops
+        with the same line (run.allow_engine_mismatch: warns)."""
         diff = max_logprob_diff(self.engine, self.policy, seqs, self.pad_id)
         diff = float(all_reduce(diff, op="max")[0])
-        line = mismatch_line(diff, self.cfg.model.dtype, self.model_type, when)
+        line = mismatch_line(diff, self.cfg.model.dtype, self.policy.model.config.model_type, when)
         if line and not self.cfg.run.allow_engine_mismatch:
             raise RunAborted(line)
         if line:
