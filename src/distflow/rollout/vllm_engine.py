@@ -55,17 +55,16 @@ def check_platform(device_type: str, vllm_on_cpu: bool) -> None:
                           "use the CUDA install (`make install-gpu`, .venv-gpu)")
 
 
-def check_native_model(model_path: str, trust_remote_code: bool) -> None:
+def check_native_model(config) -> None:
     """vLLM serves architectures it has no implementation of through its Transformers backend,
     which rewires transformers' own model class in place (a torch.compile wrapper on its decoder
     class). The policy is an instance of that same class in the same process, and it can no
     longer be built once the engine is up, so such a model is refused before anything loads."""
-    from transformers import AutoConfig
     from vllm.model_executor.models.registry import ModelRegistry
 
-    archs = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).architectures or []
-    entries = {a: ModelRegistry.models.get(a) for a in archs}
-    if not any(e is not None and not e.module_name.endswith(".transformers") for e in entries.values()):
+    archs = config.architectures or []
+    entries = [ModelRegistry.models.get(a) for a in archs]
+    if not any(e is not None and not e.module_name.endswith(".transformers") for e in entries):
         raise ConfigError(f"vLLM has no implementation of its own for {', '.join(archs) or 'this model'} and would "
                           "serve it through its Transformers backend, which rewires the transformers class the policy "
                           "trains in the same process; use rollout=hf for this model")
@@ -102,13 +101,15 @@ class VLLMEngine:
             # vLLM reads this legacy variable in whole GiB and lets it override kv_cache_memory_bytes
             # (below), which takes any size: the demo needs well under 1 GiB.
             os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        from transformers import AutoConfig
         from vllm import LLM
         from vllm.platforms import current_platform
 
         check_platform(device.type, current_platform.is_cpu())
-        check_native_model(model_path, model.trust_remote_code)
+        hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=model.trust_remote_code)
+        check_native_model(hf_config)
         # built before the engine, which may rewire transformers classes
-        self.checkpoint_names = CheckpointNames(model_path, model.trust_remote_code)
+        self.checkpoint_names = CheckpointNames(hf_config, model.trust_remote_code)
         self.cfg = rollout
         self.on_cpu = on_cpu
         kwargs = dict(

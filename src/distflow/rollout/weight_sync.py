@@ -20,14 +20,14 @@ from distflow.train.lora import merged_parameters
 log = logging.getLogger("distflow")
 
 # The probe stops the run above these max |engine - policy| logprobs (run.allow_engine_mismatch:
-# it warns instead). In float32 both sides
-# compute the same function and differ by summation order: <= 1e-6 on the tiny model and 6e-5 to
-# 1.3e-4 on SmolLM2-135M with vLLM on CPU (the demo's metrics), so 1e-3 already means a wrong or
-# partial resync. In bfloat16 the engine's kernels round differently from the trainer's, and the
-# max over a step's prompt and response tokens reached 0.35 to 1.26 nats on healthy SmolLM2 demo
-# runs (vLLM on CPU, 8 probes; the trained tokens' own mean |diff| is ~0.035, mismatch/abs_mean);
-# unloaded or wrong tensors give several nats. So bf16's probe catches only a broken resync; the
-# exactness check is float32's. docs/concepts.md lists the expected ranges.
+# it warns instead). In float32 both sides compute the same function and differ by summation
+# order: <= 1e-6 on the tiny model and 6e-5 to 1.3e-4 on SmolLM2-135M with vLLM on CPU (the demo's
+# metrics), so 1e-3 already means a wrong or partial resync. In bfloat16 the engine's kernels round
+# differently from the trainer's, and the max over a step's prompt and response tokens reached 0.35
+# to 1.26 nats on healthy SmolLM2 demo runs (vLLM on CPU, 8 probes; the trained tokens' own mean
+# |diff| is ~0.035, mismatch/abs_mean); unloaded or wrong tensors give several nats. So bf16's
+# probe catches only a broken resync; the exactness check is float32's. docs/concepts.md lists the
+# expected ranges.
 PROBE_LIMIT = {"float32": 1e-3, "bfloat16": 3.0}
 
 
@@ -81,7 +81,6 @@ def full_parameters(
     yield from bucket
 
 
-
 class CheckpointNames:
     """Renames a resync stream from transformers' in-memory parameter names to the names its model
     folders hold, which is what vLLM's loaders read.
@@ -95,12 +94,12 @@ class CheckpointNames:
     that no more than one module's weights are held at once.
     Dense families have no conversion and pass through untouched."""
 
-    def __init__(self, model_path: str, trust_remote_code: bool = False):
-        from transformers import AutoConfig, AutoModelForCausalLM
+    def __init__(self, config, trust_remote_code: bool = False):
+        """`config`: the model folder's transformers config."""
+        from transformers import AutoModelForCausalLM
 
         from distflow.train.model_init import skeleton
 
-        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         self.model = skeleton(AutoModelForCausalLM, config, trust_remote_code)
         self.revert = _reverter(self.model)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 import torch
 
@@ -57,7 +57,7 @@ def save_fault(spec: str, rank: int) -> Callable[[int], None] | None:
     return hook
 
 
-def resync_fault(spec: str, rank: int, step: int, weights: Iterable) -> Iterable | Iterator:
+def resync_fault(spec: str, rank: int, step: int, weights: Iterable) -> Iterable:
     """"RANK:STEP:stale_resync": that rank's resync at STEP (the one after STEP's update, or the
     resume's when the run resumes from STEP) leaves out its first tensor, so the engine keeps a stale
     copy of it, as a broken resync would."""
