@@ -56,7 +56,7 @@ from distflow.sample import Sample
 from distflow.train.batch import CURRENT_POLICY, OldLogprobs, TokenBatch, UpdateBatch
 from distflow.train.critic import Critic
 from distflow.train.lora import adapter_tensors
-from distflow.train.policy import Policy, check_lora_targets
+from distflow.train.policy import Policy, check_model_options
 from distflow.train.update import UpdateResult, forward_rows, optimize, response_logprobs
 
 log = logging.getLogger("distflow")
@@ -110,7 +110,7 @@ class Trainer:
         self.items = load_prompts(cfg.task, tok, limit, env=env)
         self.heldout = load_prompts(cfg.task, tok, limit, split="heldout", env=env) if cfg.validation.wanted else []
         self.sampler = ShardedSampler(len(self.items), self.dist.rank, self.dist.world_size, r.seed, cfg.data.shuffle)
-        check_lora_targets(self.model_path, cfg.model)  # before any weights load
+        check_model_options(self.model_path, cfg.model)  # before any weights load
         log.info(f"loading weights: {cfg.model.path} into the {cfg.rollout.engine} engine and the policy")
         self.engine = build_engine(self.model_path, cfg.model, cfg.rollout, self.dist.device, r.seed,
                                    self.layout.engine_group)

@@ -18,7 +18,7 @@ from distflow.config import ConfigError
 from distflow.run.export import export_live
 from distflow.distributed.layout import ParallelLayout
 from distflow.train.lora import adapters_disabled, file_key, merged_parameters
-from distflow.train.policy import Policy, check_lora_targets
+from distflow.train.policy import Policy, check_model_options
 from distflow.train.update import backward_policy_loss
 
 RANK, ALPHA = 4, 8.0
@@ -191,9 +191,9 @@ def test_adapter_resync_needs_vllm_without_tensor_parallelism():
 def test_bad_targets_fail_on_a_meta_skeleton(tiny_model_dir, targets, needle):
     cfg = _cfg(target_modules=targets)
     with pytest.raises(ConfigError, match=needle) as info:
-        check_lora_targets(tiny_model_dir, cfg.model)
+        check_model_options(tiny_model_dir, cfg.model)
     assert "\n" not in str(info.value) and "model.lora.target_modules" in str(info.value)
-    check_lora_targets(tiny_model_dir, _cfg().model)  # the default targets are fine
+    check_model_options(tiny_model_dir, _cfg().model)  # the default targets are fine
 
 
 def test_adapters_disabled_restores_the_flags_on_error():

@@ -32,6 +32,7 @@ import torch
 from config_helpers import fp32_config
 from dist_helpers import gathered, run_distributed
 from engine_helpers import max_diff, perturb_and_resync, policy_logprobs
+from grad_helpers import update_batch
 from launch_helpers import ROOT
 from model_families import FAMILIES, MOE_FAMILIES, build_family
 
@@ -51,6 +52,7 @@ def _config(dtype: str = "float32", engine: str = "vllm", tp: int = 1):
     cfg.model.dtype, cfg.rollout.engine, cfg.rollout.tensor_parallel_size = dtype, engine, tp
     cfg.rollout.max_new_tokens, cfg.rollout.kv_cache_gib = 8, 0.02
     cfg.model.shard_ranks = -1  # plain FSDP: each rank perturbs its own shard (replicas would diverge)
+    cfg.optim.lr = 1e-2  # the MoE families' two training steps move every weight visibly
     return cfg
 
 
@@ -87,6 +89,28 @@ def _policy(model_dir: str, cfg, tp: int = 1):
     return Policy(model_dir, cfg.model, cfg.optim, layout), layout
 
 
+def _train_and_resync(policy, engine, seqs, rank: int) -> dict:
+    """Two AdamW steps on rewarded samples (advantages +-1), the routers' loss at the model config's
+    own weight (model.router_aux_loss_coef: null), then the resync: the engine must follow the
+    trained weights as it follows a perturbation."""
+    from distflow.rollout.weight_sync import full_parameters
+    from distflow.sample import Sample
+    from distflow.train.update import backward_policy_loss
+
+    cfg = _config()
+    samples = [Sample(s[:3], s[3:], [0.0] * (len(s) - 3), False) for s in seqs]
+    batch = update_batch(samples, torch.tensor([1.0, -1.0]))
+    norms, moe = [], []
+    for _ in range(2):
+        sums = backward_policy_loss(policy, batch, list(range(len(batch))), cfg, pad_id=0)
+        norms.append(policy.step(sums.loss)[0])
+        moe.append((sums.moe_aux, sums.moe_load, sums.moe_passes))
+    stale = max_diff(engine.prompt_logprobs(seqs), policy_logprobs(policy, seqs))
+    engine.load_weights(full_parameters(policy.model, torch.float32, bucket_bytes=1 << 16))
+    return {"norms": norms, "moe": moe, "stale": stale, "coef": policy.router_aux_loss_coef,
+            "after": max_diff(engine.prompt_logprobs(seqs), policy_logprobs(policy, seqs))}
+
+
 def _family(rank: int, model_type: str, model_dir: str, tmp: Path, engines: Engines) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -95,7 +119,7 @@ def _family(rank: int, model_type: str, model_dir: str, tmp: Path, engines: Engi
     from distflow.models.heads import attention_heads, tensor_parallel_problem
     from distflow.run.checkpoint import ModelOptimState
     from distflow.run.export import export_live
-    from distflow.train.policy import check_lora_targets
+    from distflow.train.policy import check_model_options
 
     out: dict = {}
     seqs = [[t + rank for t in SEQS[0]], SEQS[1]]
@@ -121,6 +145,8 @@ def _family(rank: int, model_type: str, model_dir: str, tmp: Path, engines: Engi
     policy.logprob_chunk_tokens = _config().model.logprob_chunk_tokens
     out["chunked_vs_plain"] = max(float((a - b).abs().max()) for a, b in zip(chunked, plain))
     out["fp32"] = perturb_and_resync(engine, policy, seqs, seed=100 + rank)
+    if model_type in MOE_FAMILIES:  # optimizer steps with the routers' loss on, then the resync again
+        out["trained"] = _train_and_resync(policy, engine, seqs, rank)
     # export from the live (perturbed) policy: transformers and the engine load the folder
     folder = tmp / f"export-{model_type}"
     export_live(model, model_dir, str(folder), write=rank == 0)
@@ -148,7 +174,7 @@ def _family(rank: int, model_type: str, model_dir: str, tmp: Path, engines: Engi
     # LoRA: the default targets adapt the model, and a fresh adapter (B = 0) computes the base
     lora_cfg = _config()
     lora_cfg.model.lora.enabled = True
-    check_lora_targets(model_dir, lora_cfg.model)
+    check_model_options(model_dir, lora_cfg.model)
     lora, _ = _policy(model_dir, lora_cfg)
     base, _ = _policy(model_dir, _config())
     out["lora_targets"] = sorted(lora.adapter_config.target_modules)
@@ -209,6 +235,11 @@ def test_family_trains_against_its_engine(matrix, family):
     if family in MOE_FAMILIES:  # two ranks, 4 experts: each holds 2 whole experts
         local, full = r0["expert_shard"]
         assert local[0] == full[0] // 2 and local[1:] == full[1:], (local, full)
+        for r in matrix:  # trained with the routers' loss on: the resync follows the optimizer as well
+            t = r[family]["trained"]
+            assert all(n > 0 for n in t["norms"]) and t["stale"] > 1e-3 and t["after"] <= FP32, t
+            assert t["coef"] == 0.001, t  # transformers' Qwen3-MoE and Mixtral configs
+            assert all(aux > 0 and load >= 1.0 and passes == 1 for aux, load, passes in t["moe"]), t
     if r0["engine"] == "hf":
         assert "Transformers backend" in r0["vllm_refused"] and "rollout=hf" in r0["vllm_refused"], r0
 

@@ -84,10 +84,18 @@ class ModelConfig:
         True, "With the chunked logprob path, run the LM head's matmul in float32 whatever model.dtype: bf16 logits "
         "keep 8 bits, and with them the SmolLM2 demo learned less in bf16 than in float32 (README). Costs the head's "
         "share of the update at float32 speed; no effect in float32.")
+    router_aux_loss_coef: Optional[float] = knob(
+        None, "Mixture-of-experts models: add this times the routers' load-balancing loss (Switch Transformer's, as "
+        "transformers computes it; distflow.train.router) to the policy loss; null: the model config's own "
+        "router_aux_loss_coef (0.001 for Qwen3-MoE and Mixtral), as TRL does; 0: off (moe/* metrics are reported "
+        "either way). Taken per micro-batch as transformers and TRL do, so unlike the policy loss it depends on how "
+        "the batch is split over ranks and passes. A dense model with a value above 0 is refused.")
     lora: LoraConfig = knob(factory=LoraConfig)
 
     def checks(self) -> list[tuple[bool, str]]:
         return [
+            (self.router_aux_loss_coef is None or self.router_aux_loss_coef >= 0,
+             f"model.router_aux_loss_coef must be >= 0 (or null), got {self.router_aux_loss_coef}"),
             (self.shard_ranks is None or self.shard_ranks == -1 or self.shard_ranks >= 1,
              f"model.shard_ranks must be -1 (all ranks) or >= 1 (or null), got {self.shard_ranks}"),
             (self.grad_bucket_mib > 0, f"model.grad_bucket_mib must be > 0, got {self.grad_bucket_mib}"),

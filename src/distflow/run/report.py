@@ -82,6 +82,9 @@ def step_report(cfg: DistflowConfig, step: int, samples: list[Sample], rewards: 
         out["loss/entropy"] = g["upd/entropy"] / trained
     if a.tis_cap is not None:
         out["tis/mean_weight"] = g["upd/tis_weight"] / trained
+    if g["upd/moe_passes"] > 0:  # a mixture-of-experts policy (distflow.train.router)
+        out["moe/aux_loss"] = g["upd/moe_aux"] / g["upd/moe_passes"]
+        out["moe/load_max_over_mean"] = g["upd/moe_load"] / g["upd/moe_passes"]
     if cfg.has_critic:
         values = max(g["upd/value_tokens"], 1.0)
         out["value/loss"] = g["upd/value_loss"] / upd.passes

@@ -34,6 +34,7 @@ from distflow.train.lora import (
     trainable_parameters,
 )
 from distflow.train.model_init import initial_model, is_meta, materialize, skeleton
+from distflow.train.router import RouterStats, aux_loss_coef, experts_of, router_stats
 
 
 def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -164,13 +165,15 @@ class ShardedModel:
         return float(self.optimizer.param_groups[0]["lr"])
 
 
-def check_lora_targets(model_path: str, model_cfg: ModelConfig) -> None:
-    """Adapt a meta-device skeleton of the model as the policy will be adapted: a target that
-    matches nothing or a layer PEFT cannot adapt stops every rank with one line, before any
-    weights load. Costs no memory and draws nothing from the RNG."""
+def check_model_options(model_path: str, model_cfg: ModelConfig) -> None:
+    """The model options that depend on the model itself, checked before any weights load, with one
+    line on every rank: a router loss weight for a model without experts, and LoRA targets (a
+    meta-device skeleton is adapted as the policy will be: a target that matches nothing or a layer
+    PEFT cannot adapt is refused). Costs no memory and draws nothing from the RNG."""
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=model_cfg.trust_remote_code)
+    aux_loss_coef(config, model_cfg.router_aux_loss_coef)
     if not model_cfg.lora.enabled:
         return
-    config = AutoConfig.from_pretrained(model_path, trust_remote_code=model_cfg.trust_remote_code)
     model = skeleton(AutoModelForCausalLM, config, model_cfg.trust_remote_code)
     _adapt_skeleton(model, peft_config(model_cfg.lora, decoder_blocks(model)))
 
@@ -189,6 +192,7 @@ class Policy(ShardedModel):
                  trainable: bool = True):
         # fp32 master weights always; bf16/fp16 only as FSDP's compute dtype.
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=model_cfg.trust_remote_code)
+        self.router_aux_loss_coef = aux_loss_coef(config, model_cfg.router_aux_loss_coef)  # refused before loading
         model, load = initial_model(AutoModelForCausalLM, model_path, config, model_cfg.meta_device_init,
                                     model_cfg.trust_remote_code)
         self.adapter_config = None  # PEFT's LoraConfig of the adapters, when there are any
@@ -200,6 +204,8 @@ class Policy(ShardedModel):
                 add_adapters(model, config)
             load = (lambda full=load: add_adapters(full(), config))
         super().__init__(model, model_cfg, optim, layout, trainable, load_full=load)
+        self.experts = experts_of(self.model.config)  # (experts, top-k) of a mixture-of-experts model
+        self.router: RouterStats | None = None  # the last forward's (distflow.train.router)
 
     def base(self) -> "FrozenBase":
         """The policy with its adapters off: a LoRA run's KL reference, without a second model."""
@@ -217,6 +223,8 @@ class Policy(ShardedModel):
         targets = batch.input_ids[:, -keep:].gather(1, idx + 1)
         inputs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                       position_ids=batch.position_ids, logits_to_keep=keep)
+        if self.experts:
+            inputs["output_router_logits"] = True
         # logprob passes (no grad) run without the adapters' dropout: deterministic, as the engine
         quiet = dropout_off(self.model) if self.lora and not torch.is_grad_enabled() else contextlib.nullcontext()
         if self.logprob_chunk_tokens > 0:  # the head runs chunk by chunk (distflow.train.lm_head)
@@ -228,15 +236,18 @@ class Policy(ShardedModel):
                                      self.logprob_chunk_tokens, with_entropy, self.head_dtype, softcap)
 
             with head_replaced(self.model, self.head, chunked_head), quiet:
-                stats = self.model(**inputs).logits  # [B, R, 1 or 2]
+                out = self.model(**inputs)
+            stats = out.logits  # [B, R, 1 or 2]
             lp, entropy = stats[..., 0], (stats[..., 1] if with_entropy else None)
         else:  # [B, R, V] logits for the whole micro-batch
             with quiet:
-                logits = self.model(**inputs).logits
+                out = self.model(**inputs)
+            logits = out.logits
             sel = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))
             lp, entropy = token_stats(sel, targets, temperature, with_entropy)
             lp = lp * batch.resp_mask
             entropy = entropy * batch.resp_mask if with_entropy else None
+        self.router = router_stats(out, batch.attention_mask, *self.experts) if self.experts else None
         self._reshard_if_no_grad()
         return lp, entropy
 

@@ -43,6 +43,9 @@ class UpdateSums:
     value_sq_error: float = 0.0
     value_sum: float = 0.0
     value_tokens: float = 0.0
+    moe_aux: float = 0.0  # mixture-of-experts routers (distflow.train.router), per policy loss pass
+    moe_load: float = 0.0
+    moe_passes: float = 0.0
     mismatch: MismatchSums = field(default_factory=MismatchSums)  # engine vs policy, first epoch only
 
     def __iadd__(self, other: "UpdateSums") -> "UpdateSums":
@@ -143,6 +146,7 @@ def backward_policy_loss(policy: Policy, batch: UpdateBatch, rows: list[int], cf
     batches = list(micro_batches(batch.tokens, rows, cfg, pad_id))
     denom = _global_denominator(batches, batch.loss_mask, a.loss_agg_mode)
     sums = UpdateSums()
+    real_passes = sum(real for _, _, real in batches)
     for k, (idx, mb, real) in enumerate(batches):
         policy.all_reduce_gradients(k == len(batches) - 1)
         logp, entropy = policy.forward(mb, cfg.rollout.temperature, with_entropy=a.entropy_coef != 0)
@@ -157,7 +161,14 @@ def backward_policy_loss(policy: Policy, batch: UpdateBatch, rows: list[int], cf
         token_loss, info = compute_token_loss(logp, old, adv, mask, a, engine_logp=engine, ref_logp=ref,
                                               entropy=entropy)
         num = aggregate_numerator(token_loss, mask, a.loss_agg_mode, cfg.rollout.response_budget())
-        (num * (world / denom if real else 0.0)).backward()  # padding passes contribute nothing
+        loss = num * (world / denom if real else 0.0)  # padding passes contribute nothing
+        if policy.router is not None:  # the mean over this rank's passes; ranks are averaged as all gradients are
+            loss = loss + policy.router.aux_loss * (policy.router_aux_loss_coef / real_passes if real else 0.0)
+        loss.backward()
+        if real and policy.router is not None:
+            sums.moe_aux += float(policy.router.aux_loss.detach())
+            sums.moe_load += float(policy.router.load_max_over_mean)
+            sums.moe_passes += 1
         if real:
             m = mask.bool()
             sums.loss += float(num.detach()) / denom
@@ -178,6 +189,7 @@ def backward_value_loss(critic: Critic, batch: UpdateBatch, rows: list[int], cfg
     resp_mask = batch.tokens.resp_mask
     denom = _global_denominator(batches, resp_mask, a.loss_agg_mode)
     sums = UpdateSums()
+    real_passes = sum(real for _, _, real in batches)
     for k, (idx, mb, real) in enumerate(batches):
         critic.all_reduce_gradients(k == len(batches) - 1)
         values = critic.values(mb)
