@@ -1,8 +1,35 @@
 """Waiting made visible: the wait clock of distflow's collectives, the slowest rank found in the
 maxima's all-reduce, and the warning that names a rank slow for many steps."""
 
+import time
 
+import distflow.distributed as dd
 from distflow.run.report import StragglerWatch, slowest_rank_code, with_compute
+
+
+class QueuedWork:
+    """A work handle as NCCL gives one: wait() returns once the collective is queued on the
+    device; it completes `delay_s` later."""
+
+    def __init__(self, delay_s: float):
+        self.done_at = time.perf_counter() + delay_s
+        self.waited = False
+
+    def wait(self) -> bool:
+        self.waited = True
+        return True
+
+    def is_completed(self) -> bool:
+        return time.perf_counter() >= self.done_at
+
+
+def test_wait_clock_counts_until_an_asynchronous_collective_completes():
+    before = dd.waited_s()
+    works = [QueuedWork(0.05), QueuedWork(0.2)]
+    with dd.waiting():
+        dd.complete(works)
+    assert all(w.waited and w.is_completed() for w in works)
+    assert dd.waited_s() - before >= 0.2  # wait() alone would have returned at once
 
 
 def test_with_compute_subtracts_the_wait():

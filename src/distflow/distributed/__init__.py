@@ -7,6 +7,7 @@ from distflow.distributed.collectives import (
                                               all_reduce,
                                               barrier,
                                               broadcast_object,
+                                              complete,
                                               init_distributed,
                                               on_local_rank0_first,
                                               rank_and_world,
@@ -15,5 +16,5 @@ from distflow.distributed.collectives import (
                                               waiting,
 )
 
-__all__ = ["DistInfo", "all_reduce", "barrier", "broadcast_object", "init_distributed", "on_local_rank0_first",
+__all__ = ["DistInfo", "all_reduce", "barrier", "broadcast_object", "complete", "init_distributed", "on_local_rank0_first",
            "rank_and_world", "shutdown", "waited_s", "waiting"]

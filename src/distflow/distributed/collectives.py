@@ -7,7 +7,10 @@ outside FSDP goes through the helpers below, so it can be counted and reasoned a
 Each helper also runs under `waiting()`, which adds its wall time to this process's wait clock:
 a rank that reaches a collective first blocks there until the last one arrives, so on the
 small payloads distflow sends this is the time the rank waited for its peers (the trainer
-reports it per step as timing/wait_s). FSDP's own collectives are not on the clock.
+reports it per step as timing/wait_s). FSDP's own collectives are not on the clock. On NCCL a
+call returns once the collective is queued on the device, not when it completes: `complete()`
+holds the clock until the work handles report completion, so the wait is counted where it
+happens rather than in the next blocking copy to the host.
 """
 
 from __future__ import annotations
@@ -115,6 +118,20 @@ def waiting():
             _waited_s += time.perf_counter() - start
 
 
+def complete(works: list) -> None:
+    """Block until every work handle (from an `async_op=True` call) has completed. `wait()` alone
+    blocks the host on gloo, but on NCCL it only orders the current CUDA stream after the
+    collective; polling `is_completed()` (which queries the collective's CUDA events) waits for
+    the device as well, without synchronising unrelated work on the stream."""
+    for work in works:
+        work.wait()
+    while not all(work.is_completed() for work in works):
+        time.sleep(_POLL_S)
+
+
+_POLL_S = 50e-6
+
+
 def waited_s() -> float:
     """Seconds this process has spent in distflow's collectives so far (monotonic)."""
     return _waited_s
@@ -137,7 +154,7 @@ def all_reduce(values: torch.Tensor | list[float] | float, op: str = "sum") -> t
         t = t.cuda()
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     with waiting():
-        dist.all_reduce(t, op=ops[op])
+        complete([dist.all_reduce(t, op=ops[op], async_op=True)])
     return t.cpu()
 
 
@@ -169,7 +186,7 @@ def on_local_rank0_first(fn: Callable[[], T], local_rank: int) -> T:
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         with waiting():
-            dist.barrier()
+            complete([dist.barrier(async_op=True)])
 
 
 def shutdown() -> None:

@@ -100,7 +100,7 @@ def exchange(outgoing: list[list[Any]], device: torch.device = torch.device("cpu
     send_counts = torch.tensor(send_sizes, dtype=torch.int64, device=device)
     recv_counts = torch.empty_like(send_counts)
     with dd.waiting():
-        dist.all_to_all_single(recv_counts, send_counts)
+        dd.complete([dist.all_to_all_single(recv_counts, send_counts, async_op=True)])
     recv_sizes = recv_counts.tolist()
 
     payload = b"".join(blobs)
@@ -108,7 +108,8 @@ def exchange(outgoing: list[list[Any]], device: torch.device = torch.device("cpu
                 else torch.empty(0, dtype=torch.uint8)).to(device)
     recv_buf = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
     with dd.waiting():
-        dist.all_to_all_single(recv_buf, send_buf, output_split_sizes=recv_sizes, input_split_sizes=send_sizes)
+        dd.complete([dist.all_to_all_single(recv_buf, send_buf, output_split_sizes=recv_sizes,
+                                            input_split_sizes=send_sizes, async_op=True)])
 
     data = recv_buf.cpu().numpy().tobytes()
     incoming: list[list[Any]] = []
@@ -131,7 +132,7 @@ def _gather_costs(costs: list[int], device: torch.device) -> list[list[int]]:
         row[1:len(costs) + 1] = torch.tensor(costs, dtype=torch.int64)
     rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
     with dd.waiting():
-        dist.all_gather(rows, row)
+        dd.complete([dist.all_gather(rows, row, async_op=True)])
     out = []
     for t in rows:
         vals = t.tolist()

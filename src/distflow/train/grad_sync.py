@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from distflow.distributed import waiting
+from distflow.distributed import complete, waiting
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -114,8 +114,7 @@ class ReplicaGradReducer:
         while self._inflight and (block or all(w.is_completed() for w in self._inflight[0][1])):
             grads, works = self._inflight.pop(0)
             with waiting():  # the rank that finished backward first waits here for the others
-                for work in works:
-                    work.wait()
+                complete(works)
             torch._foreach_div_(grads, float(self.world))
 
     def remove(self) -> None:
