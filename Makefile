@@ -80,10 +80,19 @@ smoke: install
 test: install
 	$(BIN)/python -m pytest -q -rs --durations=25 $(PYTEST_ARGS)
 
-# One GPU, no network, no install: the smoke run in fp32 and bf16 and a few SmolLM2 steps, from
-# the source tree, with whatever python has torch (PYTHON=...); see bench/gpu_check.sh.
+# One GPU, no network, no install over the machine's packages: rollout=hf runs of real model shapes
+# (random weights) within a 7-minute deadline, from the source tree, with whatever python has torch
+# (PYTHON=...); wheels from .whl when present. gpu-check-wheels fills .whl (run it where pip reaches
+# the registry); see bench/gpu_check.sh. gpu-node-check: a GPU node with `make install-gpu` and vLLM.
+.PHONY: gpu-check-wheels gpu-node-check
 gpu-check:
 	bash bench/gpu_check.sh
+
+gpu-check-wheels:
+	bash bench/gpu_check_wheels.sh .whl
+
+gpu-node-check:
+	$(GPU_BIN)/python bench/gpu_node_check.py
 
 clean:
 	rm -rf $(VENV) $(GPU_VENV) outputs .pytest_cache
