@@ -56,18 +56,25 @@ def _worker(rank, world, model_dir):
 
 def _unused_parameter(rank):
     """Plain parameters (no FSDP): post-accumulate hooks fire from autograd itself. `unused` gets
-    no gradient on any rank and is reduced as zeros; the others are the mean over ranks."""
-    torch.manual_seed(0)
-    used, unused = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
-    params = [*used.parameters(), *unused.parameters()]
-    reducer = ReplicaGradReducer(params, dist.group.WORLD, bucket_bytes=16)
-    assert reducer.enabled  # every backward averages unless told otherwise
-    x = torch.full((2, 4), float(rank + 1))
-    used(x).sum().backward()
-    expected = torch.full((3, 4), 2.0 * (1 + 2) / 2)  # d/dW of sum(Wx) = sum over rows of x, mean over ranks
-    assert torch.allclose(used.weight.grad, expected), used.weight.grad
-    assert torch.equal(unused.weight.grad, torch.zeros(3, 4))
-    reducer.remove()
+    no gradient on any rank and is reduced as zeros; the others are the mean over ranks. Per
+    tensor (gloo's default) and coalesced (NCCL's: one flat buffer per bucket and dtype, here with
+    a bf16 layer beside the float32 ones) give the same averages."""
+    for coalesce in (False, True):
+        torch.manual_seed(0)
+        used, unused = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+        half = torch.nn.Linear(4, 2).to(torch.bfloat16)
+        params = [*used.parameters(), *half.parameters(), *unused.parameters()]
+        reducer = ReplicaGradReducer(params, dist.group.WORLD, bucket_bytes=64, coalesce=coalesce)
+        assert reducer.enabled and reducer.coalesce == coalesce  # every backward averages unless told otherwise
+        assert any(len({p.dtype for p in b}) == 2 for b in reducer.buckets)  # a bucket mixes dtypes
+        x = torch.full((2, 4), float(rank + 1))
+        (used(x).sum() + half(x.to(torch.bfloat16)).float().sum()).backward()
+        mean = 2.0 * (1 + 2) / 2  # d/dW of sum(Wx) = sum over rows of x, mean over ranks
+        assert torch.equal(used.weight.grad, torch.full((3, 4), mean)), used.weight.grad
+        assert torch.equal(half.weight.grad, torch.full((2, 4), mean, dtype=torch.bfloat16)), half.weight.grad
+        assert torch.equal(half.bias.grad, torch.full((2,), 2.0, dtype=torch.bfloat16))
+        assert torch.equal(unused.weight.grad, torch.zeros(3, 4))
+        reducer.remove()
 
 
 def test_bucketed_equals_native_hsdp_allreduce(tiny_model_dir):

@@ -51,8 +51,14 @@ class ReplicaGradReducer:
     """Averages the gradients of `params` over the ranks of `group`, bucket by bucket, during
     backward. `params` in the order their gradients become final; each appears once."""
 
-    def __init__(self, params: list[torch.nn.Parameter], group: dist.ProcessGroup, bucket_bytes: int):
+    def __init__(self, params: list[torch.nn.Parameter], group: dist.ProcessGroup, bucket_bytes: int,
+                 coalesce: bool | None = None):
         params = [p for p in params if p.requires_grad]
+        nccl = dist.get_backend(group) == "nccl"
+        # coalesce (default: on NCCL) one call per bucket and dtype; NCCL averages itself, gloo has no AVG
+        self.coalesce = nccl if coalesce is None else coalesce
+        self._averages = nccl  # the call itself averages; gloo sums, and the sums are divided here
+        self._op = dist.ReduceOp.AVG if nccl else dist.ReduceOp.SUM
         if len({id(p) for p in params}) != len(params):
             raise ValueError("a parameter is listed twice")
         self.group, self.world = group, dist.get_world_size(group)
@@ -70,7 +76,8 @@ class ReplicaGradReducer:
     def _reset(self) -> None:
         self._ready = [0] * len(self.buckets)
         self._next = 0  # the first bucket not launched yet
-        self._inflight: list[tuple[list[torch.Tensor], list[dist.Work]]] = []  # (gradients, their calls)
+        # (gradients, their flat copies when coalesced, the calls)
+        self._inflight: list[tuple[list[torch.Tensor], list[torch.Tensor], list[dist.Work]]] = []
         self._armed = False  # finish() is queued for the end of the backward in flight
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
@@ -85,16 +92,24 @@ class ReplicaGradReducer:
         self._drain(block=False)  # buckets whose sums have arrived are averaged now, not all at the end
 
     def _launch_next(self) -> None:
-        """All-reduce the next bucket's gradients in place, one asynchronous call per tensor: no
+        """All-reduce the next bucket's gradients, asynchronously. Per tensor, in place (gloo): no
         flat copy in and out (on a 2-core machine the copies cost more than the overlap saves),
-        and gloo and NCCL run the calls back to back in their own thread or stream."""
+        and gloo runs the calls back to back in its own thread. Coalesced (NCCL): one flat buffer
+        per dtype and one call, averaged by NCCL itself, as one kernel launch per bucket is what
+        NCCL's bandwidth wants."""
         grads = []
         for p in self.buckets[self._next]:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(_local(p.grad))
         self.ready_at_launch.append(sum(self._ready))
-        self._inflight.append((grads, [dist.all_reduce(g, group=self.group, async_op=True) for g in grads]))
+        if self.coalesce:
+            flats = [torch.cat([g.reshape(-1) for g in grads if g.dtype == dtype])
+                     for dtype in dict.fromkeys(g.dtype for g in grads)]
+            works = [dist.all_reduce(f, op=self._op, group=self.group, async_op=True) for f in flats]
+        else:
+            flats, works = [], [dist.all_reduce(g, op=self._op, group=self.group, async_op=True) for g in grads]
+        self._inflight.append((grads, flats, works))
         self._next += 1
 
     @torch.no_grad()
@@ -111,11 +126,15 @@ class ReplicaGradReducer:
         """Turn the sums of the buckets in flight into averages, oldest first: all of them (block),
         or those whose all-reduces have already completed. Their gradients are final: backward no
         longer touches them."""
-        while self._inflight and (block or all(w.is_completed() for w in self._inflight[0][1])):
-            grads, works = self._inflight.pop(0)
+        while self._inflight and (block or all(w.is_completed() for w in self._inflight[0][2])):
+            grads, flats, works = self._inflight.pop(0)
             with waiting():  # the rank that finished backward first waits here for the others
                 complete(works)
-            torch._foreach_div_(grads, float(self.world))
+            if not self._averages:
+                torch._foreach_div_(flats or grads, float(self.world))
+            for flat in flats:  # coalesced: the averages go back into the gradients of that dtype
+                same = [g for g in grads if g.dtype == flat.dtype]
+                torch._foreach_copy_(same, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in same]), same)])
 
     def remove(self) -> None:
         for h in self._hooks:
