@@ -84,10 +84,11 @@ def test_resync_reaches_every_tensor_parallel_worker(tiny_model_dir, _):
 
 
 def test_tensor_parallel_size_is_checked_before_any_model_loads(tmp_path):
-    def layout(world, k, path="tiny"):
+    def layout(world, k, path="tiny", per_node=None):
         cfg = fp32_config()
         cfg.model.path = path
-        return ParallelLayout.from_config(cfg.model, DistInfo(0, world, 0, world, torch.device("cpu"), "gloo"), k)
+        info = DistInfo(0, world, 0, per_node or world, torch.device("cpu"), "gloo")
+        return ParallelLayout.from_config(cfg.model, info, k)
 
     assert layout(2, 2).engine_ranks == [0, 1] and layout(4, 2).engine_ranks == [0, 1] and layout(3, 1).engine_tp == 1
     with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size=2 does not divide the world size 3"):
@@ -95,6 +96,11 @@ def test_tensor_parallel_size_is_checked_before_any_model_loads(tmp_path):
     with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size=2: the model has 9 attention heads"):
         layout(2, 2, "smollm2_135m")  # SmolLM2-135M: 9 heads, never built or loaded for this
     assert layout(3, 3, "smollm2_135m").engine_ranks == [0, 1, 2]
+    # two nodes of 2 ranks (the tiny model has 2 heads): groups of 2 stay on a node; on nodes of
+    # 3 ranks, the second group would span two nodes
+    assert layout(4, 2, per_node=2).engine_ranks == [0, 1]
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2 does not divide the 3 ranks per node"):
+        layout(6, 2, per_node=3)
     # a model folder: only config.json is read
     from transformers import Qwen2Config
 

@@ -48,6 +48,10 @@ class ParallelLayout:
         shard = dist.world_size if ranks == -1 else ranks
         layout = cls(dist.world_size, dist.rank, dist.device, shard, engine_tp, model.replica_grad_sync)
         layout.validate()
+        if dist.local_world_size % engine_tp:  # torchrun numbers a node's ranks consecutively
+            raise ConfigError(f"rollout.tensor_parallel_size={engine_tp} does not divide the {dist.local_world_size} "
+                              "ranks per node: an engine's ranks would span nodes, and a tensor-parallel engine "
+                              "all-reduces every layer; choose a size that divides the ranks per node")
         if problem := tensor_parallel_problem(engine_tp, attention_heads(model.path, model.trust_remote_code)):
             raise ConfigError(f"rollout.tensor_parallel_size={engine_tp}: {problem} ({model.path})")
         return layout
