@@ -13,7 +13,8 @@ import torch
 
 from dist_helpers import run_distributed
 from distflow.config import ConfigError, RolloutConfig
-from distflow.rollout.vllm_engine import VLLMEngine, check_platform, max_model_len
+from distflow.rollout.adapter_folder import AdapterFolder
+from distflow.rollout.vllm_engine import VLLMEngine, check_platform, max_model_len, memory_kwargs
 from launch_helpers import ROOT
 from config_helpers import fp32_config
 
@@ -49,7 +50,7 @@ def _engine(on_cpu=False, sleep_during_update=True) -> VLLMEngine:
     engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM construction: the stand-in is the engine
     engine.llm, engine.on_cpu, engine.tied_head, engine.sleeping = RecordingLLM(), on_cpu, False, False
     engine.cfg = RolloutConfig(sleep_during_update=sleep_during_update)
-    engine.adapter_dir, engine.lora_request = None, None
+    engine.adapter_folder, engine.lora_request = None, None
     engine.checkpoint_names = lambda weights: weights  # a dense model's names need no renaming
     return engine
 
@@ -92,9 +93,21 @@ def test_no_sleep_on_cpu_or_when_turned_off(on_cpu, sleep_during_update):
 def test_an_engine_serving_adapters_never_sleeps():
     """Level 2 frees the base weights, and an adapter resync never sends them again."""
     engine = _engine()
-    engine.adapter_dir = "/dev/shm/distflow-adapter-x"
+    engine.adapter_folder = AdapterFolder(torch.float32)
+    engine.adapter_folder.remove()
     engine.sleep()
     assert engine.llm.calls == [] and not engine.sleeping
+
+
+def test_kv_cache_size_is_honoured_on_both_devices():
+    """rollout.kv_cache_gib: on CPU 0.25 GiB unless set (vLLM's own default takes most of the RAM);
+    on CUDA, when set, that size whatever the card, else what gpu_memory_utilization leaves."""
+    gib = 2**30
+    assert memory_kwargs(RolloutConfig(), on_cpu=True) == {"kv_cache_memory_bytes": gib // 4}
+    assert memory_kwargs(RolloutConfig(kv_cache_gib=1.5), on_cpu=True) == {"kv_cache_memory_bytes": 3 * gib // 2}
+    cuda = memory_kwargs(RolloutConfig(gpu_memory_utilization=0.5, sleep_during_update=False), on_cpu=False)
+    assert cuda == {"gpu_memory_utilization": 0.5, "enable_sleep_mode": False}
+    assert memory_kwargs(RolloutConfig(kv_cache_gib=8), on_cpu=False)["kv_cache_memory_bytes"] == 8 * gib
 
 
 def test_max_model_len_fits_the_probe():

@@ -16,9 +16,10 @@ class RolloutConfig:
     max_prompt_tokens: int = knob(256, "Longer prompts are dropped at load (never truncated), counted and logged.")
     temperature: float = knob(1.0, "Sampling temperature (the logprob passes use it too).")
     top_p: float = knob(1.0, "Nucleus sampling.")
-    kv_cache_gib: float = knob(
-        0.25, "KV cache per engine on CPU, GiB, fractions allowed (a token of SmolLM2-135M takes 45 KiB, so 0.25 "
-        "GiB holds ~5,800 tokens); on CUDA the engine's share is gpu_memory_utilization.", operational=True)
+    kv_cache_gib: Optional[float] = knob(
+        None, "KV cache per engine, GiB, fractions allowed. null: 0.25 on CPU (a token of SmolLM2-135M takes 45 KiB, "
+        "so 0.25 GiB holds ~5,800 tokens); on CUDA what gpu_memory_utilization leaves after the weights.",
+        operational=True)
     gpu_memory_utilization: float = knob(0.35, "vLLM's share of the GPU's memory (CUDA).", operational=True)
     enforce_eager: Literal["auto", "true", "false"] = knob(
         "auto", "auto: CUDA graphs on CUDA, eager on CPU (distflow.distributed.devices).", operational=True)
@@ -54,7 +55,8 @@ class RolloutConfig:
             (self.max_turns >= 1, f"rollout.max_turns must be >= 1, got {self.max_turns}"),
             (self.max_total_tokens >= 0, "rollout.max_total_tokens must be >= 0 (0 = max_turns * max_new_tokens), "
              f"got {self.max_total_tokens}"),
-            (self.kv_cache_gib > 0, f"rollout.kv_cache_gib must be > 0, got {self.kv_cache_gib}"),
+            (self.kv_cache_gib is None or self.kv_cache_gib > 0,
+             f"rollout.kv_cache_gib must be > 0, got {self.kv_cache_gib}"),
         ]
 
 

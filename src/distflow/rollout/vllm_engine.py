@@ -16,24 +16,39 @@ between (`generate` refuses while asleep), since the engine's weights are undefi
 reload. On CPU vLLM has no sleep mode and both calls do nothing.
 
 LoRA (`model.lora.resync=adapter`): the engine keeps the base weights it loaded from model.path
-and serves one adapter, replaced after every update by `load_adapter` from a RAM-backed folder
-(vLLM 0.32 loads adapters from folders only); every later request names it. Such an engine
+and serves one adapter, replaced after every update by `load_adapter` from a folder in RAM
+(or on disk when RAM has no room: distflow.rollout.adapter_folder); every later request names it. Such an engine
 does not sleep: level 2 would free the base weights, which no resync sends again.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from typing import Iterable
 
 import torch
 
 from distflow.config import MAX_ENGINE_LORA_RANK, ConfigError, ModelConfig, RolloutConfig
 from distflow.distributed.devices import enforce_eager, torch_dtype
+from distflow.rollout.adapter_folder import AdapterFolder
 from distflow.rollout.weight_sync import CheckpointNames
 from distflow.sample import Sample
+
+
+CPU_KV_CACHE_GIB = 0.25  # rollout.kv_cache_gib's default on CPU (SmolLM2-135M: ~5,800 tokens)
+
+
+def memory_kwargs(rollout: RolloutConfig, on_cpu: bool) -> dict:
+    """vLLM's memory settings. The KV cache takes rollout.kv_cache_gib when set: on CPU vLLM's
+    own default would reserve most of the RAM per engine, so it defaults to CPU_KV_CACHE_GIB there;
+    on CUDA, unset, it is what gpu_memory_utilization leaves after the weights, and set, it is
+    that size whatever the card (kv_cache_memory_bytes overrides vLLM's profiling)."""
+    gib = CPU_KV_CACHE_GIB if rollout.kv_cache_gib is None and on_cpu else rollout.kv_cache_gib
+    kwargs = {} if gib is None else {"kv_cache_memory_bytes": int(gib * 2**30)}
+    if not on_cpu:
+        kwargs.update(gpu_memory_utilization=rollout.gpu_memory_utilization,
+                      enable_sleep_mode=rollout.sleep_during_update)
+    return kwargs
 
 
 def max_model_len(rollout: RolloutConfig) -> int:
@@ -124,17 +139,13 @@ class VLLMEngine:
             trust_remote_code=model.trust_remote_code,
             use_tqdm_on_load=False,
         )
-        self.adapter_dir, self.lora_request = None, None
+        self.adapter_folder, self.lora_request = None, None
         if model.lora.enabled and model.lora.resync == "adapter":
             # vLLM's ranks: 1, 8, 16, 32, ...; the smallest that holds the adapter
             ranks = (1, 8, 16, 32, 64, 128, 256, 320, MAX_ENGINE_LORA_RANK)
             kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=next(r for r in ranks if r >= model.lora.rank))
-            shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-            self.adapter_dir = tempfile.mkdtemp(prefix="distflow-adapter-", dir=shm)
-        if on_cpu:  # KV cache per engine; vLLM's CPU default reserves most of RAM per engine
-            kwargs.update(kv_cache_memory_bytes=int(rollout.kv_cache_gib * 2**30))
-        else:
-            kwargs.update(gpu_memory_utilization=rollout.gpu_memory_utilization, enable_sleep_mode=rollout.sleep_during_update)
+            self.adapter_folder = AdapterFolder(torch_dtype(model.dtype, device))
+        kwargs.update(memory_kwargs(rollout, on_cpu))
         self.llm = LLM(**kwargs)
         self.tied_head = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
         self.sleeping = False
@@ -187,7 +198,7 @@ class VLLMEngine:
         # With LoRA on, one sequence per call: vLLM 0.32's LoRA logits layer (Llama-family models)
         # maps adapters per request, not per prompt token, and fails on a batch of prompts
         # (vllm-project/vllm#29955), with or without an adapter in the request.
-        batches = [[s] for s in seqs] if self.adapter_dir is not None else [seqs]
+        batches = [[s] for s in seqs] if self.adapter_folder is not None else [seqs]
         outs = [o for batch in batches for o in self.llm.generate(
             [TokensPrompt(prompt_token_ids=s) for s in batch], params, use_tqdm=False, lora_request=self.lora_request)]
         return [[d[t].logprob for d, t in zip(o.prompt_logprobs[1:], s[1:])] for o, s in zip(outs, seqs)]
@@ -218,22 +229,20 @@ class VLLMEngine:
         what a fresh adapter (B = 0) computes."""
         from vllm.lora.request import LoRARequest
 
-        from distflow.train.lora import write_adapter_folder
-
-        assert self.adapter_dir is not None, "load_adapter needs an engine built for model.lora.resync=adapter"
-        write_adapter_folder(tensors, config, self.adapter_dir)
-        self.llm.llm_engine.add_lora(LoRARequest("policy", 1, self.adapter_dir, load_inplace=True))
-        self.lora_request = LoRARequest("policy", 1, self.adapter_dir)
+        assert self.adapter_folder is not None, "load_adapter needs an engine built for model.lora.resync=adapter"
+        path = self.adapter_folder.write(tensors, config)
+        self.llm.llm_engine.add_lora(LoRARequest("policy", 1, path, load_inplace=True))
+        self.lora_request = LoRARequest("policy", 1, path)
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
         """Free weights and KV cache for the update (level 2: nothing is copied to host memory)."""
-        if not self.on_cpu and self.cfg.sleep_during_update and not self.sleeping and self.adapter_dir is None:
+        if not self.on_cpu and self.cfg.sleep_during_update and not self.sleeping and self.adapter_folder is None:
             self.llm.sleep(level=2)
             self.sleeping = True
 
     def shutdown(self) -> None:
         # vLLM's shutdown tears down the default process group: callers do this last.
         del self.llm
-        if self.adapter_dir:
-            shutil.rmtree(self.adapter_dir, ignore_errors=True)
+        if self.adapter_folder is not None:
+            self.adapter_folder.remove()
