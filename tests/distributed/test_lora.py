@@ -126,6 +126,17 @@ def _bf16_base_and_fp32_adapters(model_dir, rank, world):
         assert all(p.grad.dtype == torch.float32 for p in policy.model.parameters() if p.requires_grad)
         norm, taken = policy.step(1.0)
     assert taken and norm > 0
+    # the frozen KL reference in bf16 keeps bf16 weights, and computes what the trainable policy
+    # (fp32 masters cast to bf16 at each forward) computes from the same weights
+    cfg.model.lora.enabled = False
+    tokens = TokenBatch.from_samples(samples, 0, torch.device("cpu"))
+    layout = ParallelLayout.current(cfg.model)
+    reference = Policy(model_dir, cfg.model, cfg.optim, layout, trainable=False)
+    assert {p.dtype for p in reference.model.parameters()} == {torch.bfloat16}
+    trained = Policy(model_dir, cfg.model, cfg.optim, layout)
+    assert {p.dtype for p in trained.model.parameters()} == {torch.float32}
+    with torch.no_grad():
+        assert torch.equal(reference.logprobs(tokens), trained.logprobs(tokens))
 
 
 def test_lora_trains_only_adapters_and_is_sharding_invariant(tiny_model_dir, tmp_path):

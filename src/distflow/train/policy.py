@@ -96,9 +96,11 @@ class ShardedModel:
             else None
         blocks = decoder_blocks(model)
         self.lora = has_adapters(model)
-        if self.lora and compute != torch.float32:  # the frozen base needs no fp32 master copy
+        if compute != torch.float32 and (self.lora or not trainable):
+            # frozen weights (a LoRA base, the KL reference) need no fp32 master copy: stored in
+            # the compute dtype they are what the per-forward cast would give, in half the memory
             for p in model.parameters():
-                if not p.requires_grad:
+                if not (trainable and p.requires_grad):
                     p.data = p.data.to(compute)
         for block in blocks:
             fully_shard(block, mesh=mesh, mp_policy=mp)
