@@ -16,9 +16,14 @@ from distflow.envs.tools import ToolResult, truncate
 
 
 class FallbackExecutor(PythonExecutor):
-    """The python tool as on a machine without user namespaces: the audit-hook network block only."""
+    """The python tool where no sandbox works and the environment allows that (allow_unisolated), on a machine
+    without user namespaces: the audit-hook network block only."""
 
+    _mechanisms = ()
     _try_netns = False
+
+    def __init__(self, **kwargs):
+        super().__init__(allow_unisolated=True, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -235,12 +240,11 @@ def test_python_has_no_network(executor, code):
 
 
 def test_python_network_mechanism():
-    """With user namespaces (as on the dev machine) sockets exist but reach nothing; the fallback refuses them."""
+    """In the sandbox sockets exist but reach nothing (only a loopback device, down); the fallback refuses them."""
     code = "import socket; socket.socket().close(); print(socket.if_nameindex())"
     isolated, fallback = PythonExecutor()({"code": code}), FallbackExecutor()({"code": code})
     assert "network is disabled in the sandbox" in fallback.output
-    if not isolated.error:  # the namespace worked: only a loopback device
-        assert isolated.output == "[(1, 'lo')]\n"
+    assert isolated.output == "[(1, 'lo')]\n"
 
 
 def test_python_fallback_keeps_local_tools_but_refuses_programs():
@@ -251,16 +255,24 @@ def test_python_fallback_keeps_local_tools_but_refuses_programs():
     assert "disabled" in tool({"code": "import ctypes; ctypes.CDLL(None).socket(2, 1, 0)"}).output
 
 
-def test_python_runs_in_a_fresh_temporary_directory_removed_afterwards(python):
+def test_python_runs_in_a_private_temporary_folder_with_a_minimal_environment(python):
+    code = ("import os; print(os.path.exists('scratch.txt')); open('scratch.txt', 'w').write('x'); "
+            "print(os.getcwd(), sorted(os.environ), os.environ['HOME'])")
+    first, second = python({"code": code}).output, python({"code": code}).output
+    assert first == second == "False\n/tmp ['HOME', 'LANG', 'LC_ALL', 'PATH'] /tmp\n"  # nothing persists
+    assert not os.path.exists("/tmp/scratch.txt")
+
+
+def test_python_fallback_runs_in_a_temporary_directory_removed_afterwards():
     code = "import os; open('scratch.txt', 'w').write('x'); print(os.getcwd()); print(sorted(os.environ))"
-    result = python({"code": code})
-    cwd, env = result.output.splitlines()
+    cwd, env = FallbackExecutor()({"code": code}).output.splitlines()
     assert os.path.basename(cwd).startswith("distflow-python-") and cwd != os.getcwd()
     assert not os.path.exists(cwd)
     assert "PATH" in env and "HOME" not in env and "VIRTUAL_ENV" not in env
 
 
-def test_python_kills_the_whole_process_group(python):
+def test_python_fallback_kills_the_whole_process_group():
+    python = FallbackExecutor()
     code = "import os, time\npid = os.fork()\nif pid == 0:\n    time.sleep(60)\n    os._exit(0)\nprint(pid)"
     pid = int(python({"code": code}).output)
     deadline = time.monotonic() + 2
@@ -295,6 +307,7 @@ def test_build_tools():
     calculator, python = tools["calculator"], tools["python"]
     assert isinstance(calculator, Calculator) and calculator.max_output_chars == 50
     assert isinstance(python, PythonExecutor) and (python.timeout_s, python.memory_mib) == (2.5, 256)
+    assert python.sandbox is not None and "standard library only" in python.description
     for name, tool in tools.items():
         assert tool.name == name and tool.description and tool.parameters["type"] == "object"
     assert set(BUILTIN_TOOLS) == {"calculator", "python"}

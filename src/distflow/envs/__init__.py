@@ -29,7 +29,7 @@ from distflow.config import ConfigError
 from distflow.config.specs import resolve
 from distflow.envs.calculator import Calculator
 from distflow.envs.parsers import ToolCallError, load_parser
-from distflow.envs.python_tool import PythonExecutor
+from distflow.envs.python_tool import STARTUP_ALLOWANCE_S, PythonExecutor
 from distflow.envs.tools import Tool, truncate
 
 
@@ -63,12 +63,22 @@ class ToolEnv:
     `demo`: messages of a worked example (a user turn, the model's call, the tool's answer, the
     model's answer) put before the episode's own messages: a small model that never calls a
     tool from the instructions alone does from one example.
+
+    `max_calls_per_turn`: calls of a tool that runs under timeout_s (the python tool) one turn
+    may make; the ones past it are answered with an error, not run. A turn's step must end within
+    task.reward_timeout_s, which the reward pool checks at start-up (check_step_timeout).
+    `allow_unisolated`: let the python tool run without a sandbox where none works (its code then
+    runs with the worker's rights; see distflow.envs.python_tool).
     """
 
     def __init__(self, tools: list[str] = ("calculator",), parser: str = "hermes", timeout_s: float = 5.0,
-                 memory_mib: int = 512, max_output_chars: int = 2000, demo: list[dict] = ()):
+                 memory_mib: int = 512, max_output_chars: int = 2000, demo: list[dict] = (),
+                 max_calls_per_turn: int = 1, allow_unisolated: bool = False):
+        if not isinstance(max_calls_per_turn, int) or max_calls_per_turn < 1:
+            raise ConfigError(f"task.env_args.max_calls_per_turn must be an integer >= 1, got {max_calls_per_turn!r}")
         self.tools = build_tools(list(tools), timeout_s=timeout_s, memory_mib=memory_mib,
-                                 max_output_chars=max_output_chars)
+                                 max_output_chars=max_output_chars, allow_unisolated=allow_unisolated)
+        self.max_calls_per_turn = max_calls_per_turn
         self.parse = load_parser(parser)
         self.max_output_chars = max_output_chars
         self.demo = [{"role": str(m["role"]), "content": str(m["content"])} for m in demo]
@@ -92,13 +102,20 @@ class ToolEnv:
             return Step([self._message(f"error: {e}")], tool_calls=1, tool_errors=1)
         if not calls:
             return Step(done=True)
-        step = Step(tool_calls=len(calls))
+        step, timed = Step(tool_calls=len(calls)), 0
         for call in calls:
             tool = self.tools.get(call.name)
             if tool is None:
                 step.tool_errors += 1
                 step.messages.append(self._message(f"error: unknown tool {call.name!r}; tools: {', '.join(self.tools)}"))
                 continue
+            if getattr(tool, "max_call_s", None) is not None:
+                timed += 1
+                if timed > self.max_calls_per_turn:
+                    step.tool_errors += 1
+                    step.messages.append(self._message(
+                        f"error: not run; a turn may make at most {self.max_calls_per_turn} {call.name} call(s)"))
+                    continue
             result = tool(call.arguments)
             step.tool_errors += result.error and not result.timed_out
             step.tool_timeouts += result.timed_out
@@ -107,6 +124,16 @@ class ToolEnv:
 
     def _message(self, text: str) -> dict:
         return {"role": "tool", "content": truncate(text, self.max_output_chars)}
+
+    def check_step_timeout(self, step_timeout_s: float) -> None:
+        """A ConfigError when a turn's calls could outlast the reward pool's limit on a step (the worker
+        would be killed in the middle of the turn, and the episode lost)."""
+        slowest = max((t.max_call_s for t in self.tools.values() if getattr(t, "max_call_s", None)), default=0.0)
+        if slowest and self.max_calls_per_turn * slowest >= step_timeout_s:
+            raise ConfigError(
+                f"task.env_args.max_calls_per_turn={self.max_calls_per_turn} python calls of up to {slowest:g} s "
+                f"each (timeout_s + {STARTUP_ALLOWANCE_S:g} s start-up) do not fit in task.reward_timeout_s="
+                f"{step_timeout_s:g}: lower max_calls_per_turn or timeout_s, or raise task.reward_timeout_s")
 
 
 def _signature(schema: dict) -> str:
@@ -119,7 +146,8 @@ BUILTIN_TOOLS: dict[str, type] = {"calculator": Calculator, "python": PythonExec
 
 
 def build_tools(
-    names: list[str], *, timeout_s: float = 5.0, memory_mib: int = 512, max_output_chars: int = 2000
+    names: list[str], *, timeout_s: float = 5.0, memory_mib: int = 512, max_output_chars: int = 2000,
+    allow_unisolated: bool = False,
 ) -> dict[str, Tool]:
     """The named built-in tools, by name; ConfigError for an unknown or repeated name."""
     tools: dict[str, Tool] = {}
@@ -129,7 +157,8 @@ def build_tools(
         if name in tools:
             raise ConfigError(f"tool {name!r} is listed twice")
         if name == "python":
-            tools[name] = PythonExecutor(timeout_s=timeout_s, memory_mib=memory_mib, max_output_chars=max_output_chars)
+            tools[name] = PythonExecutor(timeout_s=timeout_s, memory_mib=memory_mib, max_output_chars=max_output_chars,
+                                         allow_unisolated=allow_unisolated)
         else:
             tools[name] = BUILTIN_TOOLS[name](max_output_chars=max_output_chars)
     return tools

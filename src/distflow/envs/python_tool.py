@@ -1,6 +1,8 @@
-"""The python tool: runs policy-written code in a separate, limited interpreter (its own session,
-rlimits, a temporary working folder, no network where the kernel allows a network namespace),
-killed with its whole process group at the timeout, its output read bounded."""
+"""The python tool: runs policy-written code in a sandbox (distflow.envs.sandbox: a read-only system, a private
+/tmp, its own PID, user and network namespaces, an unprivileged uid, rlimits), killed with all of its processes
+at the timeout, its output read bounded. Where no sandbox works it refuses to start, unless the environment
+sets allow_unisolated: then the code runs as before sandboxes (rlimits, a network namespace where unshare works,
+else an audit hook), with the worker's rights."""
 
 from __future__ import annotations
 
@@ -18,26 +20,35 @@ import time
 from typing import Callable, Optional
 
 from distflow.config import ConfigError
+from distflow.envs.sandbox import MECHANISMS, Limits, Sandbox, SandboxUnavailable, base_env, capped, find
 from distflow.envs.tools import ToolResult, check_output_limit, cut_text, error_result, string_argument
 
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
 FILE_SIZE_LIMIT = 16 << 20  # bytes any one file the code writes may reach (RLIMIT_FSIZE)
+TMP_SIZE = 64 << 20  # bytes of the sandbox's /tmp (a tmpfs: memory, beside the address-space limit)
 # Processes (and threads) the code may run, set only inside its own user namespace: there the kernel counts
 # the namespace's processes alone; outside it, RLIMIT_NPROC counts all of the user's processes, the worker's too.
-# The kernel does not apply it to root.
+# The kernel does not apply it to root: root's sandboxes run as uid 65534 (distflow.envs.sandbox).
 PROCESS_LIMIT = 64
+# Seconds a call may take beyond timeout_s: the sandbox's start-up (~0.05-0.2 s) and tear-down, with room for
+# a loaded machine. ToolEnv adds it to timeout_s to check that a turn's calls fit in task.reward_timeout_s.
+STARTUP_ALLOWANCE_S = 1.0
 MAX_CODE_BYTES = 100_000  # one argv string may be at most 128 KiB (MAX_ARG_STRLEN)
 _READ_CHUNK = 1 << 16
 
-# Runs in the sandboxed interpreter before the user code: argv = [code, the worker's network namespace inode].
-# A different namespace means unshare(CLONE_NEWNET) worked; otherwise an audit hook (which cannot be removed,
-# and sees C-level calls, so it covers _socket too) refuses sockets and starting programs.
+# Runs in the interpreter before the user code: argv = [code, "sandbox" or the worker's network namespace
+# inode]. In the sandbox (started with -S: the standard library only) it restores exit() and help(). Without
+# one, a different network namespace means unshare(CLONE_NEWNET) worked; otherwise an audit hook (which cannot
+# be removed, and sees C-level calls, so it covers _socket too) refuses sockets and starting programs.
 _BOOTSTRAP = r"""
 import os, sys
 code, worker_netns = sys.argv[1], sys.argv[2]
 sys.argv = ["<code>"]
+if sys.flags.no_site:
+    import site
+    site.setquit(), site.setcopyright(), site.sethelper()
 try:
-    isolated = str(os.stat("/proc/self/ns/net").st_ino) != worker_netns
+    isolated = worker_netns == "sandbox" or str(os.stat("/proc/self/ns/net").st_ino) != worker_netns
 except OSError:
     isolated = False
 if not isolated:
@@ -100,11 +111,7 @@ def _netns_inode() -> str:
 
 
 def _limit(kind: int, soft: int, hard: Optional[int] = None) -> tuple[int, int]:
-    """(soft, hard) for setrlimit (hard defaults to soft), capped by the worker's own hard limit (a child's cannot
-    exceed it)."""
-    cap = resource.getrlimit(kind)[1]
-    hard = soft if hard is None else hard
-    return (soft, hard) if cap == resource.RLIM_INFINITY else (min(soft, cap), min(hard, cap))
+    return capped(kind, soft, soft if hard is None else hard)
 
 
 def _exited(pid: int) -> bool:
@@ -146,19 +153,19 @@ class _Head:
 class PythonExecutor:
     """Run a Python program in a fresh, limited subprocess and return what it printed (stdout + stderr merged).
 
-    The child runs `python -I` (no user site, no PYTHON* variables) with stdin closed, an empty temporary
-    working directory (removed afterwards), PATH as its only environment variable, its own session (the whole
-    process group is killed at the end, so stray children die too), and rlimits on CPU time, address space,
-    file size and core dumps. The wall-clock timeout kills the group; output beyond max_output_chars is read
-    and counted but not kept, so a print loop cannot exhaust the worker's memory.
+    The program runs in a sandbox (distflow.envs.sandbox): the base interpreter's standard library only, a
+    read-only system and a private 64 MiB /tmp as its working folder and HOME (nothing of the user's home, the
+    project, the virtual environment or the run folder), its own PID namespace, no network, a minimal
+    environment (PATH, LANG, LC_ALL, HOME), an unprivileged uid without capabilities, and rlimits on CPU time,
+    address space, file size, core dumps and processes. stdin is closed. At the end or at the timeout all of
+    its processes are killed (the namespace's init exits; it also dies with the worker). Output beyond
+    max_output_chars is read and counted but not kept, so a print loop cannot exhaust the worker's memory.
 
-    No network, two levels: (1) a real guarantee where the kernel allows unprivileged user namespaces: the
-    child unshare()s a new user + network namespace before exec, so it has only a down loopback device and
-    no route anywhere (also limiting it to PROCESS_LIMIT processes for non-root workers). (2) Otherwise
-    (EPERM, e.g. Docker's default seccomp profile) a best-effort block: an audit hook installed before the
-    user code refuses sockets (except socketpair), name lookups and starting programs; code that can reach
-    raw syscalls (ctypes tricks, /proc/self/mem) could get around it. Neither isolates the filesystem: the
-    code runs with the worker's file permissions, so run workers as an unprivileged user.
+    Where no sandbox works (the probe runs once per process, when the tool is built) the tool refuses to
+    start with a ConfigError, unless `allow_unisolated`: then it runs `python -I` as before sandboxes, with the
+    worker's rights, in a temporary folder, its own session and the same rlimits; the network is blocked by a
+    network namespace where unshare() works, else by a best-effort audit hook that code reaching raw system
+    calls (ctypes, re-imported C modules) gets around.
     """
 
     name = "python"
@@ -167,21 +174,36 @@ class PythonExecutor:
         "properties": {"code": {"type": "string", "description": "a complete Python program; print what you need"}},
         "required": ["code"],
     }
-    _try_netns = True  # False forces the best-effort fallback (for tests of it)
+    _mechanisms = MECHANISMS  # the sandbox mechanisms to try; () forces "none works" (tests)
+    _try_netns = True  # unisolated only: False forces the audit-hook network block (tests)
 
-    def __init__(self, timeout_s: float = 5.0, memory_mib: int = 512, max_output_chars: int = 2000) -> None:
+    def __init__(self, timeout_s: float = 5.0, memory_mib: int = 512, max_output_chars: int = 2000,
+                 allow_unisolated: bool = False) -> None:
         if not timeout_s > 0:
             raise ConfigError(f"python tool timeout_s must be > 0, got {timeout_s}")
         if memory_mib < 32:
             raise ConfigError(f"python tool memory_mib must be >= 32 (the interpreter needs ~15), got {memory_mib}")
         check_output_limit(max_output_chars)
         self.timeout_s, self.memory_mib, self.max_output_chars = timeout_s, memory_mib, max_output_chars
-        self.description = (
-            "Run a Python 3 program in a fresh sandboxed process and get back what it prints (stdout and stderr). "
-            f"No network, no input, {timeout_s:g} s and {memory_mib} MiB at most; the output is cut after "
-            f"{max_output_chars} characters. Nothing persists between calls."
-        )
+        self.max_call_s = timeout_s + STARTUP_ALLOWANCE_S  # what one call may take, start-up included
         cpu = math.ceil(timeout_s) + 1
+        try:
+            self.sandbox: Optional[Sandbox] = find(self._mechanisms, Limits(
+                cpu_s=cpu, memory_bytes=memory_mib << 20, file_bytes=FILE_SIZE_LIMIT, processes=PROCESS_LIMIT,
+                tmp_bytes=TMP_SIZE))
+        except SandboxUnavailable as e:
+            if not allow_unisolated:
+                raise ConfigError(
+                    f"the python tool found no sandbox that works here ({e}); allow user namespaces or install "
+                    "bubblewrap, or set task.env_args.allow_unisolated=true to run its code with this user's "
+                    "rights (see docs/tasks.md)") from None
+            self.sandbox = None
+        where = "a sandbox (the standard library only" if self.sandbox else "a limited process (no sandbox"
+        self.description = (
+            f"Run a Python 3 program in a fresh process in {where}) and get back what it prints (stdout and "
+            f"stderr). No network, no input, {timeout_s:g} s and {memory_mib} MiB at most; the output is cut "
+            f"after {max_output_chars} characters. Nothing persists between calls."
+        )
         self._limits = [
             (resource.RLIMIT_CPU, _limit(resource.RLIMIT_CPU, cpu, cpu + 1)),  # SIGXCPU, then SIGKILL
             (resource.RLIMIT_AS, _limit(resource.RLIMIT_AS, memory_mib << 20)),
@@ -189,10 +211,11 @@ class PythonExecutor:
             (resource.RLIMIT_CORE, (0, 0)),
         ]
         self._nproc = _limit(resource.RLIMIT_NPROC, PROCESS_LIMIT)
-        self._unshare = _unshare() if self._try_netns else None
+        self._unshare = _unshare() if self._try_netns and self.sandbox is None else None
 
     def _preexec(self) -> None:
-        """In the forked child before exec: only pre-computed values and C calls (the worker may have threads)."""
+        """Unisolated only, in the forked child before exec: only pre-computed values and C calls (the worker may
+        have threads)."""
         isolated = self._unshare is not None and self._unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0
         for kind, value in self._limits:
             resource.setrlimit(kind, value)
@@ -205,27 +228,33 @@ class PythonExecutor:
             return code
         if len(code.encode("utf-8", "surrogatepass")) > MAX_CODE_BYTES or "\0" in code:
             return error_result(f"the code must be at most {MAX_CODE_BYTES} bytes, without NUL characters")
+        if self.sandbox is not None:
+            return self._run(lambda: self.sandbox.popen(_BOOTSTRAP, [code, "sandbox"], base_env()))
         with tempfile.TemporaryDirectory(prefix="distflow-python-", ignore_cleanup_errors=True) as cwd:
-            try:
-                proc = subprocess.Popen(
-                    [sys.executable, "-I", "-c", _BOOTSTRAP, code, _netns_inode()],
-                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=cwd,
-                    env={"PATH": os.environ.get("PATH", os.defpath)}, start_new_session=True,
-                    preexec_fn=self._preexec,
-                )
-            except (OSError, ValueError, subprocess.SubprocessError) as e:
-                return error_result(f"could not start the sandbox: {e}")
-            try:
-                output, timed_out = self._collect(proc)
-            finally:
-                _kill_group(proc.pid)  # before reaping, so the group id cannot have been reused
-                proc.wait()
-                proc.stdout.close()  # type: ignore[union-attr]
+            return self._run(lambda: subprocess.Popen(
+                [sys.executable, "-I", "-c", _BOOTSTRAP, code, _netns_inode()],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=cwd,
+                env={"PATH": os.environ.get("PATH", os.defpath)}, start_new_session=True,
+                preexec_fn=self._preexec,
+            ))
+
+    def _run(self, start: Callable[[], subprocess.Popen]) -> ToolResult:
+        try:
+            proc = start()
+        except (OSError, ValueError, SandboxUnavailable, subprocess.SubprocessError) as e:
+            return error_result(f"could not start the sandbox: {e}")
+        try:
+            output, timed_out = self._collect(proc)
+        finally:
+            _kill_group(proc.pid)  # before reaping, so the group id cannot have been reused
+            proc.wait()
+            proc.stdout.close()  # type: ignore[union-attr]
         if timed_out:
             return ToolResult(_with_reason(f"timed out after {self.timeout_s:g}s", output), error=True, timed_out=True)
-        if proc.returncode == 0:
+        returncode = proc.returncode if self.sandbox is None else self.sandbox.returncode(proc.returncode)
+        if returncode == 0:
             return ToolResult(output)
-        return ToolResult(_with_reason(_exit_reason(proc.returncode), output), error=True)
+        return ToolResult(_with_reason(_exit_reason(returncode), output), error=True)
 
     def _collect(self, proc: subprocess.Popen) -> tuple[str, bool]:
         """(the output, cut to the limit; whether the deadline passed) once the child has exited and its

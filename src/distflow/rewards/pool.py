@@ -143,10 +143,12 @@ class RewardPool:
         # The instance built here also serves the caller (its reset builds the prompts).
         self._env = [env, dict(env_args or {})] if env else None
         self.env = build_env(*self._env) if self._env else None
-        if self.env is not None:
-            self._fns.append(self.env.step)
         if workers < 0 or timeout_s <= 0:
             raise ConfigError(f"need task.reward_workers >= 0 and task.reward_timeout_s > 0, got {workers}, {timeout_s}")
+        if self.env is not None:
+            self._fns.append(self.env.step)
+            if callable(getattr(self.env, "check_step_timeout", None)):  # e.g. ToolEnv: its calls fit in a step
+                self.env.check_step_timeout(float(timeout_s))
         self.timeout_s = float(timeout_s)
         self._specs = [s for s, _ in self.components]
         self._logged: set[tuple[str, str]] = set()
