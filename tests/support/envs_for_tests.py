@@ -51,3 +51,20 @@ class EchoEnv:
                 return "not a Step"
         return Step([{"role": "user", "content": f"{len(transcript[-1]['content'])} characters; go on"}],
                     reward=0.5)
+
+
+class EnvironEnv:
+    """Answers every turn with what its worker process sees: the names and values of its environment
+    variables and the size of its `blob` argument (a large task.env_args must arrive whole)."""
+
+    def __init__(self, blob: str = ""):
+        self.blob = blob
+
+    def reset(self, item: dict, messages: list[dict]) -> list[dict]:
+        return messages
+
+    def step(self, item: dict, transcript: list[dict]) -> Step:
+        import json
+
+        seen = {"environ": dict(os.environ), "blob_chars": len(self.blob), "blob_tail": self.blob[-16:]}
+        return Step([{"role": "user", "content": json.dumps(seen)}], done=True)

@@ -227,3 +227,30 @@ def test_a_trainer_that_stops_during_pool_start_up_leaves_no_worker_traceback(en
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3
     assert proc.stderr == "" and proc.stdout == "", proc.stderr
+
+
+def test_workers_get_an_allow_listed_environment_and_env_args_of_any_size(monkeypatch):
+    """Secrets in the trainer's environment stay there, even under an allowed prefix; what rewards need
+    (paths, threads, rank, offline switches, locale) gets through. The environment's arguments travel in a
+    file, not on the command line (at most 128 KiB per argument)."""
+    import json
+
+    for name, value in {"HF_TOKEN": "t0ken", "OPENAI_API_KEY": "k3y", "DISTFLOW_SECRET_X": "s3cret",
+                        "AWS_SECRET_ACCESS_KEY": "s3cret2", "DB_PASSWORD": "pw", "GOOGLE_APPLICATION_CREDENTIALS":
+                        "/creds.json", "SOME_UNLISTED_NAME": "x", "OMP_NUM_THREADS": "3", "RANK": "1",
+                        "HF_HUB_OFFLINE": "1", "LC_ALL": "C.UTF-8", "DISTFLOW_CACHE": "/tmp/dc"}.items():
+        monkeypatch.setenv(name, value)
+    blob = "x" * 250_000 + "the end"
+    with RewardPool("numeric", 1, 30.0, env="envs_for_tests:EnvironEnv", env_args={"blob": blob}) as p:
+        [(kind, step)], _ = p.steps([({}, [{"role": "assistant", "content": "hi"}])])
+        assert kind == "ok"
+        seen = json.loads(step.messages[0]["content"])
+        assert p._workers[0].proc.pid != os.getpid()
+    env = seen["environ"]
+    assert (seen["blob_chars"], seen["blob_tail"]) == (len(blob), blob[-16:])
+    assert not {"HF_TOKEN", "OPENAI_API_KEY", "DISTFLOW_SECRET_X", "AWS_SECRET_ACCESS_KEY", "DB_PASSWORD",
+                "GOOGLE_APPLICATION_CREDENTIALS", "SOME_UNLISTED_NAME"} & set(env)
+    assert not {"t0ken", "k3y", "s3cret", "s3cret2", "pw"} & set(env.values())
+    assert {k: env.get(k) for k in ("OMP_NUM_THREADS", "RANK", "HF_HUB_OFFLINE", "LC_ALL", "DISTFLOW_CACHE")} == \
+        {"OMP_NUM_THREADS": "3", "RANK": "1", "HF_HUB_OFFLINE": "1", "LC_ALL": "C.UTF-8", "DISTFLOW_CACHE": "/tmp/dc"}
+    assert env["PATH"] == os.environ["PATH"]

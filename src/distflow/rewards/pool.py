@@ -16,7 +16,11 @@ process's sys.path: nothing is forked from the threaded trainer (CUDA/NCCL/vLLM 
 fork unsafe), and unlike multiprocessing's spawn the caller's __main__ is not re-imported. They
 talk over socketpairs with multiprocessing Connections and resolve the specs themselves, so
 user functions need not be picklable (the parent resolves them first, so a bad spec is a
-ConfigError before any process starts). Each reward's optional `prepare()` runs at worker
+ConfigError before any process starts); the specs and the environment's arguments reach them in
+an unnamed temporary file (any size; a command line holds at most 128 KiB per argument). Their
+environment is an allow-list of this process's (WORKER_ENV_NAMES, WORKER_ENV_PREFIXES), never a
+name with TOKEN, KEY, SECRET, PASSWORD or CREDENTIAL in it: a reward that needs a credential
+reads it from a file. Each reward's optional `prepare()` runs at worker
 start-up, outside any deadline. Workers take batches of units and answer unit by unit, so each
 unit's deadline starts when the previous one finished. A worker past its deadline, or dead, is
 killed and replaced; the rest of its batch is re-queued and the other workers keep going. A
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
 import math
 import numbers
 import os
@@ -51,6 +56,26 @@ START_TIMEOUT_S = 120.0  # a worker that cannot import its rewards in this time 
 _STAT_KEY = {"error": "errors", "crash": "errors", "invalid": "invalid", "timeout": "timeouts"}
 _WHAT = {"error": "raised", "crash": "killed its worker process", "invalid": "returned a non-number",
          "timeout": "timed out"}
+# What reward and environment workers see of this process's environment: where things are (paths, caches,
+# locale, time zone), how many threads to use, which rank they serve, offline switches.
+WORKER_ENV_NAMES = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM", "LD_LIBRARY_PATH",
+    "PYTHONHASHSEED", "PYTHONUNBUFFERED", "PYTHONIOENCODING", "PYTHONDONTWRITEBYTECODE", "PYTHONWARNINGS",
+    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS", "NUMEXPR_MAX_THREADS",
+    "VECLIB_MAXIMUM_THREADS", "TOKENIZERS_PARALLELISM", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+    "GROUP_RANK", "NODE_RANK", "HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "HF_HUB_OFFLINE",
+    "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "TRANSFORMERS_CACHE", "HF_ENDPOINT", "XDG_CACHE_HOME",
+    "XDG_RUNTIME_DIR", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE",
+})
+WORKER_ENV_PREFIXES = ("LC_", "DISTFLOW_")
+SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")
+
+
+def worker_env(environ: dict[str, str]) -> dict[str, str]:
+    """The allow-listed part of `environ`, less any name that marks a secret."""
+    return {k: v for k, v in environ.items()
+            if (k in WORKER_ENV_NAMES or k.startswith(WORKER_ENV_PREFIXES))
+            and not any(m in k.upper() for m in SECRET_MARKERS)}
 
 
 def _call(fn, args, step: bool = False) -> tuple[str, object]:
@@ -69,11 +94,11 @@ def _call(fn, args, step: bool = False) -> tuple[str, object]:
     return "invalid", repr(value)[:200]
 
 
-def _worker_main(fd: int, parent: int, specs: list[str], env: list | None = None) -> None:
-    """A worker's life: resolve the specs (and the environment), say "ready", then answer batches
-    unit by unit. Unit component len(specs) is the environment's step. `parent` is the trainer's
-    pid, taken before this interpreter started: a trainer that died during our start-up has
-    already handed us to another parent, and must still count as gone."""
+def _worker_main(fd: int, parent: int, spec_fd: int) -> None:
+    """A worker's life: read the specs (and the environment) from spec_fd, resolve them, say "ready",
+    then answer batches unit by unit. Unit component len(specs) is the environment's step. `parent`
+    is the trainer's pid, taken before this interpreter started: a trainer that died during our
+    start-up has already handed us to another parent, and must still count as gone."""
 
     def parent_gone() -> bool:
         return os.getppid() != parent
@@ -86,6 +111,8 @@ def _worker_main(fd: int, parent: int, specs: list[str], env: list | None = None
     threading.Thread(target=orphan_watch, daemon=True).start()
     conn = Connection(fd)
     try:
+        specs, env = json.loads(_read_all(spec_fd))
+        os.close(spec_fd)
         fns = [load_reward(s) for s in specs]
         if env is not None:
             fns.append(build_env(*env).step)
@@ -104,18 +131,30 @@ def _worker_main(fd: int, parent: int, specs: list[str], env: list | None = None
         raise  # a start-up failure the trainer reports ("died at start-up; see its stderr")
 
 
-# The worker's command line: fd, [parent pid, specs, env] as JSON, then this process's sys.path entries.
-_BOOT = ("import sys; sys.path[:] = sys.argv[3:]; import json; from distflow.rewards.pool import _worker_main; "
-         "_worker_main(int(sys.argv[1]), *json.loads(sys.argv[2]))")
+def _read_all(fd: int) -> bytes:
+    """A file's whole content by pread: the workers share the open file (and its offset), so none moves it."""
+    chunks = []
+    while chunk := os.pread(fd, 1 << 20, sum(map(len, chunks))):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+# The worker's command line: its socket's fd, the parent pid, the fd of a file holding [specs, env] as JSON,
+# then this process's sys.path entries.
+_BOOT = ("import sys; sys.path[:] = sys.argv[4:]; from distflow.rewards.pool import _worker_main; "
+         "_worker_main(*map(int, sys.argv[1:4]))")
 
 
 class _Worker:
-    def __init__(self, specs: list[str], env: list | None):
+    def __init__(self, spec_file):
         mine, theirs = socket.socketpair()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _BOOT, str(theirs.fileno()), json.dumps([os.getpid(), specs, env]), *sys.path],
-            pass_fds=[theirs.fileno()], start_new_session=True)  # start_new_session: Ctrl-C is the trainer's
-        theirs.close()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _BOOT, str(theirs.fileno()), str(os.getpid()), str(spec_file.fileno()),
+                 *sys.path], pass_fds=[theirs.fileno(), spec_file.fileno()], env=worker_env(dict(os.environ)),
+                start_new_session=True)  # start_new_session: Ctrl-C is the trainer's
+        finally:
+            theirs.close()
         self.conn = Connection(mine.detach())
         self.started, self.ready, self.deadline = time.monotonic(), False, math.inf
         self.inflight: deque[int] = deque()  # uids sent and not yet answered, in order
@@ -151,11 +190,14 @@ class RewardPool:
                 self.env.check_step_timeout(float(timeout_s))
         self.timeout_s = float(timeout_s)
         self._specs = [s for s, _ in self.components]
+        self._spec_file = tempfile.TemporaryFile()  # unnamed: gone with the pool; each worker reads it whole
+        self._spec_file.write(json.dumps([self._specs, self._env]).encode())
+        self._spec_file.flush()
         self._logged: set[tuple[str, str]] = set()
         self._workers = [self._start() for _ in range(workers)]  # start-up overlaps the caller's
 
     def _start(self) -> _Worker:
-        return _Worker(self._specs, self._env)
+        return _Worker(self._spec_file)
 
     @classmethod
     def from_task(cls, task) -> "RewardPool":
@@ -279,6 +321,7 @@ class RewardPool:
                 pass  # busy in a reward: killed below
             w.kill()
         self._workers = []
+        self._spec_file.close()
 
     def __enter__(self) -> "RewardPool":
         return self
