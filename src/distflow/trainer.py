@@ -48,7 +48,7 @@ from distflow.run.export import export_live
 from distflow.run.faults import inject_fault, resync_fault, save_fault
 from distflow.run.loggers import MetricLogger
 from distflow.run.output import note_expected_warnings, save_config, setup_output
-from distflow.run.preemption import StepBoundary, Stopped, StopSignal, write_stop_file
+from distflow.run.preemption import RunAborted, StepBoundary, Stopped, StopSignal, write_stop_file
 from distflow.run.report import StragglerWatch, run_summary, step_report, timed
 from distflow.run.resume import agree_on_plan
 from distflow.run.rundir import RunDir
@@ -60,10 +60,6 @@ from distflow.train.policy import Policy, check_model_options
 from distflow.train.update import UpdateResult, forward_rows, optimize, response_logprobs
 
 log = logging.getLogger("distflow")
-
-
-class RunAborted(RuntimeError):
-    """The run cannot go on (e.g. non-finite losses for too many steps): one line, exit 1."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,9 @@ Loggers are chosen by name (`logging.loggers`), several at once:
                honours WANDB_MODE (offline works with no network). The run id is kept in
                <output_dir>/wandb_run_id, so a resumed run continues the same W&B run.
   tensorboard  torch.utils.tensorboard SummaryWriter into <output_dir>/tb
+
+A logger whose file cannot be written (a full disk) is noted (distflow.run.output.note_write_failure)
+and dropped, not raised: the step's end stops every rank together with that line.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import secrets
 import sys
 import time
@@ -30,7 +34,8 @@ from typing import Any
 
 from distflow.config import LoggingConfig
 from distflow.distributed import all_reduce
-from distflow.run.output import write_line
+from distflow.run.output import note_write_failure, write_failure_line, write_line
+from distflow.run.preemption import RunAborted
 from distflow.run.rundir import RunDir
 
 log = logging.getLogger("distflow")
@@ -120,14 +125,22 @@ def _is_terminal(stream) -> bool:
 
 class _Jsonl:
     def __init__(self, path: Path, resumed_step: int):
-        """resumed_step: the checkpoint's step a resumed run continues from (0: a fresh start)."""
-        kept = []
-        if resumed_step and path.is_file():
-            kept = [line for line in path.read_text(encoding="utf-8").splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resumed_step]
-        self.file = open(path, "w", encoding="utf-8")
-        self.file.writelines(line + "\n" for line in kept)
-        self.file.flush()
+        """resumed_step: the checkpoint's step a resumed run continues from (0: a fresh start). The
+        kept rows are written to a new file that replaces the old one, so a full disk loses none."""
+        self.path = path
+        if not (resumed_step and path.is_file()):
+            self.file = open(path, "w", encoding="utf-8")
+            return
+        kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+                if (row := _row(line)) is not None and row.get("step", 0) <= resumed_step]
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+        os.replace(tmp, path)
+        self.file = open(path, "a", encoding="utf-8")
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         self.file.write(json.dumps(metrics, sort_keys=False) + "\n")
@@ -135,6 +148,15 @@ class _Jsonl:
 
     def close(self) -> None:
         self.file.close()
+
+
+def _row(line: str) -> dict | None:
+    """A metrics row; None for a blank line or one cut short (a full disk, a kill mid-write)."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) else None
 
 
 class _Wandb:
@@ -146,6 +168,7 @@ class _Wandb:
         else:
             run_id = secrets.token_hex(4)  # W&B ids: short, lowercase alphanumeric
             run.wandb_run_id.write_text(run_id + "\n", encoding="utf-8")
+        self.path = run.wandb
         root = run.root.resolve()  # W&B writes under <dir>/wandb: the run folder's wandb/
         self.run = wandb.init(project=project, dir=str(root), config=run_config, name=root.name, id=run_id,
                               resume="allow")
@@ -166,6 +189,7 @@ class _TensorBoard:
     def __init__(self, run: RunDir):
         from torch.utils.tensorboard import SummaryWriter
 
+        self.path = run.tensorboard
         self.writer = SummaryWriter(log_dir=str(run.tensorboard))
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
@@ -199,9 +223,15 @@ class MetricLogger:
                  "jsonl": lambda: _Jsonl(run.metrics, resumed_step),
                  "wandb": lambda: _Wandb(run, cfg.wandb_project, run_config),
                  "tensorboard": lambda: _TensorBoard(run)}
+        files = {"jsonl": run.metrics, "wandb": run.wandb, "tensorboard": run.tensorboard}
         try:
             for name in dict.fromkeys(cfg.loggers):  # in the given order, each once
-                self.backends.append(build[name]())
+                try:
+                    self.backends.append(build[name]())
+                except OSError as e:
+                    if name not in files:
+                        raise
+                    note_write_failure(files[name], e)
         except BaseException:
             self.close()
             raise
@@ -212,19 +242,30 @@ class MetricLogger:
         self._count += 1
         step = metrics.get("step", self._count)
         step = int(step) if isinstance(step, (int, float)) and math.isfinite(step) else self._count
-        for backend in self.backends:
-            backend.log(metrics, step)
+        for backend in list(self.backends):
+            try:
+                backend.log(metrics, step)
+            except OSError as e:
+                if not hasattr(backend, "path"):  # the console
+                    raise
+                note_write_failure(backend.path, e)
+                self.backends.remove(backend)
+                _close_quietly(backend)
 
     def finish(self, summary: dict, plots: bool = True) -> None:
         """End of run: summary.json and the plots (rank 0 writes), and the headline numbers."""
         if not self.active:
             return
-        self.run.summary.write_text(json.dumps(summary, indent=2), encoding="utf-8")
-        if plots:
-            from distflow.run.plot import write_plots
+        try:
+            self.run.summary.write_text(json.dumps(summary, indent=2), encoding="utf-8")
+            if plots:
+                from distflow.run.plot import write_plots
 
-            for plot in write_plots(self.run):
-                log.info(f"plot: {plot}")
+                for plot in write_plots(self.run):
+                    log.info(f"plot: {plot}")
+        except OSError as e:  # after the last step: rank 0 alone stops, the others are done
+            raise RunAborted(f"{write_failure_line(e.filename or self.run.summary, e)}; the training itself "
+                             "finished") from None
         for when in ("before", "after"):
             if f"heldout_pass1_{when}" in summary:
                 log.info(f"held-out pass@1 {when} training: {summary[f'heldout_pass1_{when}']:.3f} "
@@ -238,4 +279,15 @@ class MetricLogger:
             return
         self._closed = True
         for backend in reversed(self.backends):
-            backend.close()
+            if hasattr(backend, "path"):
+                _close_quietly(backend)
+            else:
+                backend.close()
+
+
+def _close_quietly(backend) -> None:
+    """Close a file logger; the unwritten end of a write that failed was noted already."""
+    try:
+        backend.close()
+    except OSError:
+        pass

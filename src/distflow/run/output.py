@@ -10,6 +10,12 @@
             DEBUG.
   file      <output_dir>/logs/rank_<r>.log on every rank: everything, every time, all loggers.
 
+A write into the run folder that fails (a full disk, a file system gone read-only) does not
+raise where it happens: the rank log and the metric loggers note it (`note_write_failure`), and
+at the end of the step every rank learns it through the step's agreement and stops with the
+same line (distflow.run.preemption.StepBoundary); a traceback on one rank would leave the others
+waiting in their next collective until its timeout.
+
 Library code logs through `logging.getLogger("distflow")` and never asks which rank it is on.
 Progress bars of loaders are turned off; the training bar (distflow.run.loggers) is written
 around, never through.
@@ -21,6 +27,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from collections import Counter
@@ -55,6 +62,44 @@ EXPECTED = (
     ("torch", "Triton not available"),
 )
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+_write_failure: str | None = None  # this rank's first failed write into the run folder, until the ranks agree
+
+
+def free_space(path: str | Path) -> str:
+    """Free space on the file system of `path` (or of its nearest existing parent), for an error line."""
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        free = float(shutil.disk_usage(p).free)
+    except OSError:
+        return "unknown"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if free < 1024:
+            return f"{free:.0f} {unit}" if unit == "B" else f"{free:.1f} {unit}"
+        free /= 1024
+    return f"{free:.1f} TiB"
+
+
+def write_failure_line(path: str | Path, err: OSError) -> str:
+    """`could not write <path>: No space left on device (0 B free there)`."""
+    return f"could not write {path}: {err.strerror or err} ({free_space(path)} free there)"
+
+
+def note_write_failure(path: str | Path, err: OSError) -> None:
+    """Remember this rank's first failed write into the run folder for the next step end."""
+    global _write_failure
+    if _write_failure is None:
+        _write_failure = write_failure_line(path, err)
+
+
+def pending_write_failure(clear: bool = False) -> str | None:
+    """The line of this rank's failed write, if one failed since the last time it was cleared."""
+    global _write_failure
+    line = _write_failure
+    if clear:
+        _write_failure = None
+    return line
 
 
 def write_line(text: str, stream=None) -> None:
@@ -135,6 +180,32 @@ class _Formatter(logging.Formatter):
         return f"[{record.name}] {record.levelname}: {record.getMessage()}"
 
 
+class _RankLogFile(logging.FileHandler):
+    """The rank's log file; a write that fails is noted (note_write_failure), not printed with a
+    traceback per record, and later records are dropped (the file would have holes)."""
+
+    failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        err = sys.exc_info()[1]
+        if not isinstance(err, OSError):
+            super().handleError(record)
+            return
+        self.failed = True
+        note_write_failure(self.baseFilename, err)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError:  # the unwritten end of a failed write: already noted
+            if not self.failed:
+                raise
+
+
 def note_expected_warnings(log_file: Path) -> None:
     """Start-up is over: one console line (rank 0) for the expected third-party warnings held back
     so far, naming the file that has them all; later ones go to the file only."""
@@ -167,7 +238,7 @@ def setup_output(log_file: Path, rank: int, log_level: str = "WARNING") -> loggi
     console.addFilter(_ConsoleFilter(rank == 0, level))
     console.setFormatter(_Formatter())
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    file = logging.FileHandler(log_file, encoding="utf-8")
+    file = _RankLogFile(log_file, encoding="utf-8")
     file.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
     for h in (console, file):
         h._distflow = True  # type: ignore[attr-defined]
@@ -213,16 +284,23 @@ def report_error(message: str) -> None:
 def save_config(cfg: DistflowConfig, path: Path, write: bool) -> None:
     """Every rank must run the same config (a stray override on one node would silently
     diverge the SPMD program): compare a hash of the config record across ranks; one rank
-    writes it to `path` (config.json)."""
+    writes it to `path` (config.json). Whether that write failed is agreed on, so a full disk
+    stops every rank with the same line."""
     from distflow.config import ConfigError, config_record
-    from distflow.distributed import all_reduce
+    from distflow.distributed import all_reduce, broadcast_object
 
     text = json.dumps(config_record(cfg), sort_keys=True)
     digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:6], "little")  # exact in float64
-    low, high = all_reduce(digest, "min"), all_reduce(digest, "max")
-    if int(low) != int(high):
-        raise ConfigError(f"the resolved config differs between ranks (hashes {int(low):x} vs {int(high):x}); "
+    neg_low, high = all_reduce([-digest, digest], "max").tolist()  # min and max in one all_reduce
+    if int(-neg_low) != int(high):
+        raise ConfigError(f"the resolved config differs between ranks (hashes {int(-neg_low):x} vs {int(high):x}); "
                           "launch every rank with the same overrides")
+    failure = None
     if write:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+        except OSError as e:
+            failure = write_failure_line(path, e)
+    if all_reduce(float(failure is not None), "max").item():
+        raise ConfigError(broadcast_object(failure))

@@ -7,6 +7,11 @@ the ranks agree through one all_reduce (`StepBoundary.decide`, which also carrie
 checkpoint.every_s), all save the same step, and every rank exits with EXIT_STOPPED.
 A second signal changes nothing, and a save cut short by SIGKILL leaves only a `.tmp` folder
 that resume never picks (distflow.run.checkpoint), so the last complete checkpoint survives.
+
+The same all_reduce carries whether a rank's write into the run folder failed (a full disk
+under its log or metrics.jsonl, distflow.run.output.note_write_failure): then every rank raises
+the same RunAborted, naming the file and the free space, instead of one rank's traceback and the
+others waiting in their next collective until its timeout.
 """
 
 from __future__ import annotations
@@ -17,7 +22,10 @@ import os
 import signal
 import time
 
-from distflow.distributed import all_reduce
+import torch.distributed as dist
+
+from distflow.distributed import all_reduce, rank_and_world, waiting
+from distflow.run.output import pending_write_failure
 
 # The status of a rank that stopped on a signal after saving (EX_TEMPFAIL: try again later).
 # Relaunching with the same output folder resumes. torchrun itself reports 1 for it; the
@@ -25,6 +33,10 @@ from distflow.distributed import all_reduce
 EXIT_STOPPED = 75
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 STOP_FILE_ENV = "DISTFLOW_STOP_FILE"  # rank 0 writes {"step", "checkpoint", "signal"} there when it stops
+
+
+class RunAborted(RuntimeError):
+    """The run cannot go on (non-finite losses for too many steps, a full disk): one line, exit 1."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,19 +80,43 @@ class StepBoundary:
 
     def decide(self, step: int, last: bool, stop: StopSignal) -> tuple[bool, bool]:
         """(save, stop), the same on every rank: one all_reduce(max) of [signalled, seconds since
-        the last save], so a signal seen by one rank and the slowest clock both count."""
-        signalled, elapsed = all_reduce([float(stop.name is not None), time.monotonic() - self.last_save], "max")
+        the last save, a failed write], so a signal seen by one rank and the slowest clock both count;
+        RunAborted on every rank when a rank could not write into the run folder."""
+        signalled, elapsed, failed = all_reduce(
+            [float(stop.name is not None), time.monotonic() - self.last_save, _failed_write()], "max").tolist()
+        stop_on_failed_write(failed, f"after step {step}")
         halt = bool(signalled) and not last  # a signal during the last step: the run just finishes
         save = (halt or (last and self.at_end) or (self.every_steps > 0 and step % self.every_steps == 0)
                 or (self.every_s > 0 and float(elapsed) >= self.every_s))
         return save, halt
 
     def signalled(self, stop: StopSignal) -> bool:
-        """Whether any rank has received a stop signal (collective)."""
-        return bool(all_reduce(float(stop.name is not None), "max"))
+        """Whether any rank has received a stop signal (collective; RunAborted as in decide)."""
+        signalled, failed = all_reduce([float(stop.name is not None), _failed_write()], "max").tolist()
+        stop_on_failed_write(failed, "before the first step")
+        return bool(signalled)
 
     def saved(self) -> None:
         self.last_save = time.monotonic()
+
+
+def _failed_write() -> float:
+    """rank + 1 when this rank could not write into the run folder since the last check, else 0."""
+    return float(rank_and_world()[0] + 1) if pending_write_failure() else 0.0
+
+
+def stop_on_failed_write(failed: float, when: str) -> None:
+    """Every rank raises the same RunAborted when `failed` (the all_reduced _failed_write) names a rank:
+    that rank's line, broadcast from it."""
+    if not failed:
+        return
+    src = int(failed) - 1
+    box = [pending_write_failure(clear=True)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        with waiting():
+            dist.broadcast_object_list(box, src=src)
+    raise RunAborted(f"rank {src} {box[0]}; stopped {when}. Free space and relaunch with the same run.output_dir "
+                     "to continue from its last checkpoint")
 
 
 def write_stop_file(stopped: Stopped) -> None:
