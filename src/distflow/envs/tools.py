@@ -32,6 +32,9 @@ def truncate(text: str, limit: int) -> str:
 
 
 class Tool(Protocol):
+    """Also, for a tool that runs under a time limit (the python tool): `max_call_s`, the most seconds one
+    call takes, start-up included; ToolEnv caps such calls per turn and checks they fit in a step's limit."""
+
     name: str
     description: str
     parameters: dict  # JSON schema of the arguments object (for the system prompt)
