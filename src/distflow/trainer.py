@@ -394,3 +394,4 @@ class Trainer:
         self.engine.shutdown()
         if self.dist.owns_group:
             shutdown()
+        self.run_dir.unlock()  # the run is over: its folder is free (rank 0 held the lock)

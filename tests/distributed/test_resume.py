@@ -4,6 +4,9 @@ output folder (distflow.run.resume). Real gloo ranks, real FSDP2 models, real DC
 
 import json
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -169,3 +172,82 @@ def test_an_explicit_checkpoint_path_is_continued_like_force(tmp_path):
     with pytest.raises(ConfigError, match="not a complete checkpoint"):
         plan_resume(_cfg(tmp_path / "b", resume=str(tmp_path / "nowhere")))
     assert sorted(os.listdir(tmp_path / "a")) == [".distflow-run", "checkpoints"]
+
+
+# ----------------------------------------------------------------------------- the folder's lock, a cut-short set-aside
+LAUNCH = """
+import sys, time
+from distflow.config import DistflowConfig
+from distflow.run.resume import plan_resume
+cfg = DistflowConfig()
+cfg.model.dtype, cfg.task.path, cfg.checkpoint.resume, cfg.run.output_dir = "float32", "data.jsonl", "never", sys.argv[1]
+print(plan_resume(cfg).set_aside, flush=True)
+time.sleep(120)
+"""
+
+
+def _tree(root) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in Path(root).rglob("*") if p.is_file())
+
+
+def test_two_launches_into_one_folder_are_one_run_and_one_refusal(tmp_path):
+    _fake_checkpoint(tmp_path, 2, _cfg(tmp_path, seed=3))  # an earlier run: the first launch sets it aside
+    first = subprocess.Popen([sys.executable, "-c", LAUNCH, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        moved = first.stdout.readline().strip()
+        assert Path(moved).parent == tmp_path / "previous", moved
+        before = _tree(tmp_path)
+        with pytest.raises(ConfigError, match=rf"^run.output_dir {tmp_path} is in use by another run \(host .+, "
+                                              rf"pid {first.pid}, started .+\); wait for it to end"):
+            plan_resume(_cfg(tmp_path, resume="never"))
+        assert _tree(tmp_path) == before  # the refused launch moved and wrote nothing
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        first.stdout.close()
+    plan = plan_resume(_cfg(tmp_path))  # the first launch was killed: its lock does not block
+    assert plan.checkpoint is None and json.loads(RunDir(tmp_path).lockfile.read_text())["pid"] == os.getpid()
+    RunDir(tmp_path).unlock()
+
+
+KILLED_SET_ASIDE = """
+import os, shutil, signal, sys
+from distflow.run.rundir import RunDir
+moves, after, real_move = [], int(sys.argv[2]), shutil.move
+def move(src, dst):
+    if not moves and after == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    moves.append(real_move(src, dst))
+    if len(moves) == after:
+        os.kill(os.getpid(), signal.SIGKILL)
+shutil.move = move
+RunDir(sys.argv[1]).set_aside()
+"""
+
+
+@pytest.mark.parametrize("moved_before_kill", [0, 2, 5])
+def test_a_set_aside_killed_midway_is_finished_by_the_next_launch(tmp_path, moved_before_kill):
+    """SIGKILL after some of the earlier run's artifacts (5: config, metrics, checkpoints, a rank log,
+    the marker) moved; the next launch, resume=auto, finishes the move into the same folder, and does
+    not continue the checkpoint that was about to be set aside."""
+    cfg = _cfg(tmp_path)
+    _fake_checkpoint(tmp_path, 2, cfg)
+    (tmp_path / "config.json").write_text(json.dumps(config_record(cfg)))
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "rank_0.log").write_text("earlier\n")
+    (tmp_path / "notes.txt").write_text("mine")
+    earlier = _tree(tmp_path)
+    killed = subprocess.run([sys.executable, "-c", KILLED_SET_ASIDE, str(tmp_path), str(moved_before_kill)],
+                            capture_output=True, text=True, timeout=60)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    (cut_short,) = (tmp_path / "previous").iterdir()
+    assert len(os.listdir(cut_short)) == moved_before_kill + 1  # what it moved, and its journal
+    plan = plan_resume(_cfg(tmp_path))
+    assert plan.checkpoint is None, plan  # a fresh start, as the killed launch had decided
+    assert any(f"moved a run's files to {cut_short}; it is finished now" in w for w in plan.warnings), plan.warnings
+    assert os.listdir(tmp_path / "previous") == [cut_short.name]  # one folder holds the whole earlier run
+    assert _tree(cut_short) == [f for f in earlier if f != "notes.txt"]
+    assert sorted(_tree(tmp_path)) == sorted([".distflow-lock", ".distflow-run", "notes.txt",
+                                              *(f"previous/{cut_short.name}/{f}" for f in _tree(cut_short))])
+    RunDir(tmp_path).unlock()

@@ -2,19 +2,22 @@
 exit status 2 before torchrun starts. Under bare torchrun: a config or input mistake is one
 `distflow: error:` line per rank that reaches it, named in torchrun's failure summary, with
 nothing loaded; a rank killed mid-run is restarted by torchrun and resumes; a rank that raises
-fails the job with its own error; nodes launched with different overrides are refused; Hydra's
-multirun is refused. The other config and data errors, and every rank saying each, are checked
+fails the job with its own error, and a second launch into its folder while it is live is refused;
+nodes launched with different overrides are refused; Hydra's multirun is refused. The other config and data errors, and every rank saying each, are checked
 in-process on 2 ranks (distributed/test_trainer_loop.py): these few prove the behaviour through
 the real entry points."""
 
+import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 from dist_helpers import free_port
-from launch_helpers import ROOT, assert_clean_failure, fail_run, read_metrics, torchrun
+from launch_helpers import LOADING, ROOT, assert_clean_failure, fail_run, launch_env, pinned, read_metrics, torchrun, \
+    torchrun_command
 
 RECIPES = ROOT / "recipes"
 
@@ -64,12 +67,52 @@ def test_killed_rank_is_restarted_and_resumes(tmp_path):
     assert steps == [1, 2, 3, 4]  # each step exactly once, no gaps
 
 
+def _lock_holder(out, proc, timeout: float) -> int:
+    """The pid the live run's rank 0 wrote into the folder's lock file."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            return json.loads((out / ".distflow-lock").read_text())["pid"]
+        except (OSError, ValueError, KeyError):
+            time.sleep(0.2)
+    raise AssertionError(f"no lock holder in {out} (launch status {proc.poll()})")
+
+
 @pytest.mark.slow
-def test_raising_rank_fails_the_job_with_its_error(tmp_path):
-    proc = torchrun([*BASE, "rollout=hf", f"run.output_dir={tmp_path}", "run.steps=3",
-                     "run.fault_inject=1:2:raise", "run.collective_timeout_s=60"], timeout=240)
-    assert proc.returncode != 0
-    assert "distflow: rank 1 failed: RuntimeError: injected fault on rank 1 at step 2" in proc.stderr
+def test_raising_rank_fails_the_job_with_its_error_and_a_second_launch_meanwhile_is_refused(tmp_path):
+    """While the run is live (its first scoring waits for a gate the test opens), a second launch
+    into its folder (`python recipes/grpo.py`, one rank, checkpoint.resume=never: unguarded it would
+    move the live run's files aside) stops with one line naming the live run's rank 0, before any
+    weights load; the live run goes on to its injected fault."""
+    out, logs, gate = tmp_path / "run", tmp_path / "first", tmp_path / "gate"
+    overrides = [*BASE, "rollout=hf", f"run.output_dir={out}", "run.steps=3", "run.fault_inject=1:2:raise",
+                 "run.collective_timeout_s=60"]
+    gated = ["task.reward=gated_rewards:digit_fraction_after_gate", "task.reward_timeout_s=90"]
+    with open(f"{logs}.out", "w") as stdout, open(f"{logs}.err", "w") as stderr:
+        first = subprocess.Popen(torchrun_command([*overrides, *gated]), cwd=ROOT,
+                                 env=launch_env({"DISTFLOW_TEST_GATE": str(gate)}), stdout=stdout, stderr=stderr)
+        try:
+            holder = _lock_holder(out, first, timeout=120)
+            second = subprocess.run([sys.executable, str(RECIPES / "grpo.py"),
+                                     *pinned([*overrides, "checkpoint.resume=never"])],
+                                    cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=120)
+            assert first.poll() is None, "the first run ended before the second launch was refused"
+            gate.touch()
+            first.wait(timeout=240)
+        finally:
+            if first.poll() is None:
+                first.kill()
+                first.wait()
+    text = second.stdout + second.stderr
+    errors = [line for line in text.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert second.returncode == 2 and len(errors) == 1, text[-3000:]
+    assert errors[0].startswith(f"distflow: error: run.output_dir {out} is in use by another run (host ") \
+        and f", pid {holder}, started " in errors[0], errors[0]
+    assert LOADING not in text
+    assert not (out / "previous").exists()  # nothing of the live run was moved
+    assert first.returncode != 0
+    assert "distflow: rank 1 failed: RuntimeError: injected fault on rank 1 at step 2" in (tmp_path / "first.err").read_text()
+    assert [r["step"] for r in read_metrics(out)] == [1]
 
 
 def test_multirun_under_torchrun_is_refused(tmp_path):

@@ -26,15 +26,23 @@ def pinned(overrides: list[str]) -> list[str]:
     return overrides if any(o.lstrip("+").startswith("model.dtype=") for o in overrides) else [FLOAT32, *overrides]
 
 
-def torchrun(overrides: list[str], nproc: int = 2, timeout: float = 600, extra_env: dict | None = None,
-             torchrun_args: list[str] | None = None) -> subprocess.CompletedProcess:
+def launch_env(extra_env: dict | None = None) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")]))
     env.update(extra_env or {})
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", *(torchrun_args or []),
-           str(ROOT / "recipes" / "grpo.py"), *pinned(overrides)]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return env
+
+
+def torchrun_command(overrides: list[str], nproc: int = 2, torchrun_args: list[str] | None = None) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", *(torchrun_args or []),
+            str(ROOT / "recipes" / "grpo.py"), *pinned(overrides)]
+
+
+def torchrun(overrides: list[str], nproc: int = 2, timeout: float = 600, extra_env: dict | None = None,
+             torchrun_args: list[str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(torchrun_command(overrides, nproc, torchrun_args), cwd=ROOT, env=launch_env(extra_env),
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def read_metrics(output_dir) -> list[dict]:

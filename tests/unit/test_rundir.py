@@ -1,15 +1,23 @@
 """The run folder: every artifact named once, a fresh start that moves exactly distflow's artifacts
 aside, and a folder distflow did not write refused (a real earlier LoRA + W&B run moved aside:
-distributed/test_trainer_loop.py)."""
+distributed/test_trainer_loop.py). Its lock, against a real second process; folders that cannot be
+created or written, on a real read-only mount and a real full one."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
 
 import pytest
 
 from distflow.config import ConfigError
 from distflow.run.rundir import MARKER, RunDir
+from mount_helpers import fill, private_tmpfs
 
 ARTIFACTS = ["config.json", "metrics.jsonl", "summary.json", "training.png", "checkpoints/step_000002/COMPLETE",
              "hf_model/model.safetensors", "adapter/adapter_config.json", "wandb/offline-run-1/run.wandb",
@@ -71,3 +79,85 @@ def test_an_empty_or_foreign_only_folder_needs_no_set_aside(tmp_path):
         _write(two_runs.root, ["metrics.jsonl"])
         two_runs.set_aside()
     assert len(list(two_runs.previous.iterdir())) == 2
+
+
+def test_a_folder_with_only_a_previous_of_its_own_is_refused_but_a_launchers_logs_are_not(tmp_path):
+    mine = RunDir(tmp_path / "mine")
+    _write(mine.root, ["previous/draft.txt", "previous/old/results.csv"], "keep me")
+    with pytest.raises(ConfigError, match=r"holds files distflow did not write \(previous\)"):
+        mine.set_aside()
+    assert sorted(p.relative_to(mine.root).as_posix() for p in mine.root.rglob("*") if p.is_file()) == \
+        ["previous/draft.txt", "previous/old/results.csv"]
+    other_tool = RunDir(tmp_path / "other_tool")
+    _write(other_tool.root, ["checkpoints/epoch_3.pt"])
+    with pytest.raises(ConfigError, match=r"holds files distflow did not write \(checkpoints\)"):
+        other_tool.set_aside()
+    assert (other_tool.checkpoints / "epoch_3.pt").is_file()
+    launcher = RunDir(tmp_path / "launcher")  # launch/*.sh write these before rank 0 starts
+    _write(launcher.root, ["logs/4242-node01.log", "launch.txt"])
+    assert launcher.set_aside() is None and (launcher.logs / "4242-node01.log").is_file()
+
+
+# ----------------------------------------------------------------------------- the lock
+HOLD = "import sys, time; from distflow.run.rundir import RunDir; print(RunDir(sys.argv[1]).lock(), flush=True); " \
+       "time.sleep(120)"
+TRY = ("import sys; from distflow.config import ConfigError; from distflow.run.rundir import RunDir\n"
+       "try:\n    RunDir(sys.argv[1]).lock()\nexcept ConfigError as e:\n    sys.exit(str(e))")
+
+
+def _holder(root) -> subprocess.Popen:
+    """Another process that took the folder's lock and lives on."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(root)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "None"
+    return proc
+
+
+def _in_use(root, pid) -> str:
+    return (rf"^run.output_dir {re.escape(str(root))} is in use by another run \(host {re.escape(socket.gethostname())}"
+            rf", pid {pid}, started \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d\); wait for it to end, or choose another "
+            r"run.output_dir$")
+
+
+def test_one_folder_one_live_run_and_a_killed_runs_lock_does_not_block(tmp_path):
+    run = RunDir(tmp_path / "out")
+    holder = _holder(run.root)
+    try:
+        with pytest.raises(ConfigError, match=_in_use(run.root, holder.pid)):
+            RunDir(run.root).lock()
+    finally:
+        holder.send_signal(signal.SIGKILL)  # no clean-up of its own: the kernel drops its lock
+        holder.wait()
+        holder.stdout.close()
+    assert json.loads(run.lockfile.read_text())["pid"] == holder.pid  # its record is still there, stale
+    assert run.lock() is None and json.loads(run.lockfile.read_text())["pid"] == os.getpid()
+    try:
+        # this process is the live run now: a launch from another process is refused, naming it
+        other = subprocess.run([sys.executable, "-c", TRY, str(run.root)], capture_output=True, text=True, timeout=60)
+        assert other.returncode == 1 and re.match(_in_use(run.root, os.getpid()), other.stderr.strip()), other.stderr
+    finally:
+        run.unlock()
+    assert not run.lockfile.exists()  # a run that ends leaves no lock file behind
+    again = subprocess.run([sys.executable, "-c", TRY, str(run.root)], capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0, again.stderr
+
+
+def test_an_output_dir_that_cannot_be_created_or_written_stops_with_one_line(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    with pytest.raises(ConfigError, match=rf"^run.output_dir {a_file}/run cannot be created: Not a directory$"):
+        RunDir(a_file / "run").lock()
+    with private_tmpfs(tmp_path / "ro", readonly=True) as ro:
+        with pytest.raises(ConfigError, match=rf"^run.output_dir {ro}/run cannot be created: Read-only file system$"):
+            RunDir(ro / "run").lock()
+        with pytest.raises(ConfigError, match=rf"^run.output_dir {ro} is not writable: Read-only file system$"):
+            RunDir(ro).lock()
+        assert list(ro.iterdir()) == []
+    with private_tmpfs(tmp_path / "full", size="16k") as full:
+        filler = fill(full)
+        with pytest.raises(ConfigError, match=rf"^run.output_dir {full}/run is not writable: could not write "
+                                              rf"{full}/run/.distflow-lock: No space left on device \(0 B free there\)$"):
+            RunDir(full / "run").lock()
+        assert sorted(os.listdir(full)) == ["filler"]  # what the refused launch created is gone again
+        filler.unlink()
+        assert RunDir(full / "run").lock() is None
+        RunDir(full / "run").unlock()

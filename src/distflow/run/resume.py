@@ -12,8 +12,9 @@
 
 A restarted torchrun attempt or a requeued SLURM job continues what its launch wrote, also under
 `never`. A fresh start moves an earlier run's files to <output_dir>/previous/<time>/ (RunDir), so
-two runs never mix in one metrics.jsonl. Rank 0 decides and moves; every rank gets the plan, or
-the same error.
+two runs never mix in one metrics.jsonl. Rank 0 first locks the folder (a live run's folder, or
+one that cannot be created or written, stops here) and finishes a set-aside an earlier launch was
+cut short in; then it decides and moves. Every rank gets the plan, or the same error.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 from distflow.config import ConfigError, DistflowConfig, config_differences, config_record
 from distflow.distributed import DistInfo, broadcast_object, shutdown
 from distflow.run.checkpoint import is_complete, latest_checkpoint, read_marker
+from distflow.run.output import write_failure_line
 from distflow.run.rundir import RunDir
 
 RESTART_VARS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
@@ -48,8 +50,25 @@ def launch_restart(env=os.environ) -> int:
 
 
 def plan_resume(cfg: DistflowConfig, restart: int = 0) -> ResumePlan:
-    """Rank 0 only: read the folder and decide (ConfigError / RunComplete when it must stop)."""
-    run, mode = RunDir(cfg.run.output_dir), cfg.checkpoint.resume
+    """Rank 0 only: lock the folder, read it and decide (ConfigError / RunComplete when it must stop)."""
+    run = RunDir(cfg.run.output_dir)
+    notes = tuple(filter(None, [run.lock()]))  # first of all: the folder is this process's from here on
+    try:
+        if finished := run.finish_set_aside():
+            notes += (f"an earlier launch was stopped while it moved a run's files to {finished}; "
+                      "it is finished now",)
+        plan = _plan(run, cfg, restart)
+    except OSError as e:  # a full disk, a file system gone read-only
+        run.unlock()
+        raise ConfigError(f"run.output_dir {run.root}: {write_failure_line(e.filename or run.root, e)}") from None
+    except BaseException:
+        run.unlock()
+        raise
+    return dataclasses.replace(plan, warnings=notes + plan.warnings)
+
+
+def _plan(run: RunDir, cfg: DistflowConfig, restart: int) -> ResumePlan:
+    mode = cfg.checkpoint.resume
     mode = "auto" if mode == "never" and restart > 0 else mode
     if mode in ("auto", "force"):
         found = latest_checkpoint(run.checkpoints)

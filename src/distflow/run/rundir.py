@@ -2,6 +2,7 @@
 
     <output_dir>/
       .distflow-run       marks the folder as a distflow run's (written first by a fresh start)
+      .distflow-lock      held by rank 0 while a run is live; names its host, pid and start time
       config.json         the resolved config (distflow.config.config_record)
       metrics.jsonl       one row of metrics per step (the jsonl logger)
       summary.json        held-out pass@1 before/after, wall time, the last reward
@@ -12,22 +13,44 @@
       wandb/  wandb_run_id  tb/   the W&B and TensorBoard loggers' files
       previous/<time>/    an earlier run's files, set aside by a fresh start
 
-Writers ask a `RunDir` for their paths. A fresh start in a folder that holds an earlier run
-moves exactly these artifacts to previous/<time>/ and leaves every other file where it is (a
-launcher's logs/<job>-<node>.log and launch.txt, Hydra's .hydra/, the user's own files). A
-folder that holds files under these names but was not written by distflow is refused.
+Writers ask a `RunDir` for their paths. Before anything else touches the folder, rank 0 takes
+an exclusive flock on .distflow-lock for the life of its process: a second launch into a live
+run's folder stops with one line naming the holder, and the kernel drops the lock of a process
+that dies however it dies, so a killed run leaves nothing that blocks the next launch.
+
+A fresh start in a folder that holds an earlier run moves exactly these artifacts to
+previous/<time>/ and leaves every other file where it is (a launcher's logs/<job>-<node>.log and
+launch.txt, Hydra's .hydra/, the user's own files). It writes what it moves into a journal in
+previous/<time>/ first, so a launch that finds a set-aside cut short (SIGKILL, a lost node)
+finishes that one instead of splitting the earlier run over two folders. A folder that holds
+files under these names (previous/ included) but was not written by distflow is refused.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import shutil
+import socket
 import time
 from pathlib import Path
 
 from distflow.config import ConfigError
+from distflow.run.output import write_failure_line
 
-MARKER = ".distflow-run"
+MARKER, LOCK, JOURNAL = ".distflow-run", ".distflow-lock", ".set-aside.json"
+_held: dict[str, int] = {}  # the lock files this process holds (resolved path -> descriptor), for its life
+
+
+def _close_held_in_child() -> None:
+    """A forked child does not keep the folder locked after its parent is gone."""
+    for fd in _held.values():
+        os.close(fd)
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_in_child)
 
 
 class RunDir:
@@ -37,7 +60,7 @@ class RunDir:
         self.summary, self.plot, self.logs = r / "summary.json", r / "training.png", r / "logs"
         self.checkpoints, self.hf_model, self.adapter = r / "checkpoints", r / "hf_model", r / "adapter"
         self.wandb, self.wandb_run_id, self.tensorboard = r / "wandb", r / "wandb_run_id", r / "tb"
-        self.previous = r / "previous"
+        self.previous, self.lockfile = r / "previous", r / LOCK
 
     def rank_log(self, rank: int) -> Path:
         return self.logs / f"rank_{rank}.log"
@@ -50,16 +73,76 @@ class RunDir:
         found += sorted(self.logs.glob("rank_*.log")) if self.logs.is_dir() else []
         return found + ([self.marker] if self.marker.exists() else [])
 
+    # ------------------------------------------------------------------ the lock
+    def lock(self) -> str | None:
+        """Rank 0, first of all: create the folder and hold its lock for the life of this process (or
+        until unlock). ConfigError (one line) when the folder cannot be created or written, or another
+        live run holds it; a warning (returned) when its file system does not support locks."""
+        key = str(self.lockfile.resolve())
+        if key in _held:  # this process holds it already (a second plan in one process)
+            return None
+        self.created = [p for p in (self.root, self.lockfile) if not p.exists()]
+        for _ in range(10):  # again when the holder removed the file as this launch opened it (unlock)
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.lockfile, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                verb = "is not writable" if self.root.is_dir() else "cannot be created"
+                raise ConfigError(f"run.output_dir {self.root} {verb}: {e.strerror or e}") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _holder(fd)
+                os.close(fd)
+                raise ConfigError(f"run.output_dir {self.root} is in use by another run ({holder}); wait for it "
+                                  "to end, or choose another run.output_dir") from None
+            except OSError as e:  # ENOLCK, ENOSYS: e.g. Lustre mounted without -o flock
+                os.close(fd)
+                return f"{self.lockfile} cannot be locked ({e.strerror}): a second run into this folder is not refused"
+            if _same_file(fd, self.lockfile):
+                break
+            os.close(fd)
+        else:
+            raise ConfigError(f"run.output_dir {self.root} is in use: other launches keep taking its lock")
+        holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        _held[key] = fd
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+        except OSError as e:
+            self.unlock()
+            raise ConfigError(f"run.output_dir {self.root} is not writable: {write_failure_line(self.lockfile, e)}") \
+                from None
+        return None
+
+    def unlock(self) -> None:
+        """Give the lock up: at the end of a run, or when a launch stops before it starts (then what
+        lock() created goes too, so a refused folder is left as it was). A no-op where not held."""
+        fd = _held.pop(str(self.lockfile.resolve()), None)
+        if fd is None:
+            return
+        self.lockfile.unlink(missing_ok=True)  # while still held: a launch that opened it retries
+        os.close(fd)
+        if self.root in getattr(self, "created", []):
+            try:
+                self.root.rmdir()
+            except OSError:  # not empty
+                pass
+
     # ------------------------------------------------------------------ ownership
     def written_by_distflow(self) -> bool:
-        """The folder carries the marker, or (a run from before the marker) a distflow config.json."""
+        """The folder carries the marker, or (a run from before the marker) a distflow config.json,
+        or (a set-aside's last step cut short) an earlier run in previous/."""
         if self.marker.is_file():
             return True
         try:
             record = json.loads(self.config.read_text())
         except (OSError, ValueError):
-            return False
-        return isinstance(record, dict) and {"model", "rollout", "algorithm"} <= record.keys()
+            record = None
+        if isinstance(record, dict) and {"model", "rollout", "algorithm"} <= record.keys():
+            return True
+        earlier = [p for p in self.previous.iterdir() if p.is_dir()] if self.previous.is_dir() else []
+        return any((p / JOURNAL).is_file() or RunDir(p).written_by_distflow() for p in earlier)
 
     def claim(self) -> None:
         """Mark the folder as this run's (rank 0, before anything else is written)."""
@@ -70,19 +153,68 @@ class RunDir:
         """Move an earlier run's artifacts to previous/<time>/ (None if there were none);
         ConfigError when the folder holds such names but distflow did not write them."""
         found = self.artifacts()
-        if not found:
-            return None
-        if not self.written_by_distflow():
-            names = ", ".join(p.relative_to(self.root).as_posix() for p in found[:4])
+        named = found + [p for p in (self.previous,) if p.exists()]
+        if named and not self.written_by_distflow():
+            names = ", ".join(p.relative_to(self.root).as_posix() for p in named[:4])
             raise ConfigError(f"run.output_dir {self.root} holds files distflow did not write ({names}); "
                               "choose an empty or new folder")
+        if not found:
+            return None
         stamp = time.strftime("%Y%m%d-%H%M%S")
         dest, n = self.previous / stamp, 1
         while dest.exists():
             n += 1
             dest = self.previous / f"{stamp}-{n}"
-        for path in found:
-            target = dest / path.relative_to(self.root)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.move(str(path), str(target))
+        dest.mkdir(parents=True)
+        journal = dest / JOURNAL
+        tmp = journal.with_name(JOURNAL + ".tmp")
+        tmp.write_text(json.dumps({"moving": [p.relative_to(self.root).as_posix() for p in found]}))
+        os.replace(tmp, journal)  # from here on a launch that finds the journal finishes this set-aside
+        self._move(found, dest)
+        journal.unlink()
         return dest
+
+    def finish_set_aside(self) -> Path | None:
+        """Finish a set-aside an earlier launch was stopped in (its journal is still there): move what
+        it had not moved yet into the same previous/<time>/. Returns that folder (None: none found)."""
+        if not self.previous.is_dir():
+            return None
+        finished = None
+        for dest in sorted(p for p in self.previous.iterdir() if p.is_dir()):
+            journal, tmp = dest / JOURNAL, dest / (JOURNAL + ".tmp")
+            if tmp.exists():  # stopped before the journal was complete: nothing was moved
+                tmp.unlink()
+                if not journal.exists() and not any(dest.iterdir()):
+                    dest.rmdir()
+            if not journal.is_file():
+                continue
+            names = json.loads(journal.read_text())["moving"]
+            self._move([self.root / name for name in names], dest)
+            journal.unlink()
+            finished = dest
+        return finished
+
+    def _move(self, paths: list[Path], dest: Path) -> None:
+        """Move each path still in the folder to the same place under dest (each move a rename)."""
+        for path in paths:
+            target = dest / path.relative_to(self.root)
+            if (path.exists() or path.is_symlink()) and not (target.exists() or target.is_symlink()):
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.move(str(path), str(target))
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock, as its holder wrote it into the lock file."""
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"host {holder['host']}, pid {holder['pid']}, started {holder['started']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a run that has not written its host and pid yet"
