@@ -48,18 +48,42 @@ class MismatchSums:
                             max(self.abs_max, other.abs_max), [a + b for a, b in zip(self.hist, other.hist)])
 
 
+    @classmethod
+    def from_values(cls, values: list[float]) -> "MismatchSums":
+        """From mismatch_vector's layout: abs_sum, kl_sum, tokens, abs_max, then the histogram."""
+        return cls(values[0], values[1], values[2], values[3], list(values[4:]))
+
+
+ABS_MAX = 3  # the entry of mismatch_vector that combines by max; the others add
+
+
 @torch.no_grad()
-def mismatch_sums(policy_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor) -> MismatchSums:
-    """MismatchSums of the tokens where `mask` is set ([B, R] each)."""
+def mismatch_vector(policy_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The sums of the tokens where `mask` is set ([B, R] each), as one float64 vector on their
+    device: abs_sum, kl_sum, tokens, abs_max, then the histogram's counts. Nothing is copied to
+    the host, so an update can add these up over its passes and read them once."""
     m = mask.bool()
     pol, eng = policy_logp.detach().float()[m], engine_logp.float()[m]
     diff = (eng - pol).abs()
     if diff.numel() == 0:
-        return MismatchSums()
-    edges = torch.tensor(EDGES, dtype=diff.dtype)
-    hist = torch.bincount(torch.bucketize(diff.cpu(), edges, right=True), minlength=len(EDGES) + 1)
-    return MismatchSums(float(diff.sum()), float(kl_k3(eng, pol).sum()), float(diff.numel()), float(diff.max()),
-                        [float(c) for c in hist])
+        return torch.zeros(4 + len(EDGES) + 1, dtype=torch.float64, device=mask.device)
+    edges = torch.tensor(EDGES, dtype=diff.dtype, device=diff.device)
+    hist = torch.bincount(torch.bucketize(diff, edges, right=True), minlength=len(EDGES) + 1)
+    head = torch.stack([diff.sum(), kl_k3(eng, pol).sum(), torch.tensor(float(diff.numel()), device=diff.device),
+                        diff.max()])
+    return torch.cat([head.double(), hist.double()])
+
+
+def combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Two mismatch vectors as one: sums add, abs_max is the larger."""
+    out = a + b
+    out[ABS_MAX] = torch.maximum(a[ABS_MAX], b[ABS_MAX])
+    return out
+
+
+def mismatch_sums(policy_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor) -> MismatchSums:
+    """MismatchSums of the tokens where `mask` is set ([B, R] each)."""
+    return MismatchSums.from_values(mismatch_vector(policy_logp, engine_logp, mask).tolist())
 
 
 def percentile(hist: list[float], q: float) -> float:

@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 import torch
 
 from distflow.algorithms import aggregate_denominator, aggregate_numerator, compute_token_loss, value_loss
-from distflow.algorithms.mismatch import MismatchSums, mismatch_sums
+from distflow.algorithms.mismatch import MismatchSums, combine, mismatch_vector
 from distflow.config import DistflowConfig
 from distflow.distributed import all_reduce
 from distflow.sample import Sample
@@ -48,10 +48,49 @@ class UpdateSums:
     moe_passes: float = 0.0
     mismatch: MismatchSums = field(default_factory=MismatchSums)  # engine vs policy, first epoch only
 
+    @classmethod
+    def read(cls, sums: "DeviceSums") -> "UpdateSums":
+        values = sums.read()
+        mismatch = values.pop("mismatch", None)
+        out = cls(**values)
+        if mismatch is not None:
+            out.mismatch = MismatchSums.from_values(mismatch)
+        return out
+
     def __iadd__(self, other: "UpdateSums") -> "UpdateSums":
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
         return self
+
+
+class DeviceSums:
+    """A loss pass's metric sums, kept on the device as float64 tensors (float32 sums widened, as
+    Python's float() would) and read in one host sync per mini-batch, so the host is never
+    stopped mid-update to wait for the device's micro-batches."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.mismatch: torch.Tensor | None = None
+
+    def add(self, key: str, value: torch.Tensor) -> None:
+        value = value.detach().double()
+        self.sums[key] = self.sums[key] + value if key in self.sums else value
+
+    def add_mismatch(self, vector: torch.Tensor) -> None:
+        self.mismatch = vector if self.mismatch is None else combine(self.mismatch, vector)
+
+    def read(self) -> dict:
+        keys = list(self.sums)
+        parts = [torch.stack([self.sums[k] for k in keys])] if keys else []
+        if self.mismatch is not None:
+            parts.append(self.mismatch)
+        if not parts:
+            return {}
+        values = torch.cat(parts).tolist()  # the one host sync
+        out: dict = dict(zip(keys, values[:len(keys)]))
+        if self.mismatch is not None:
+            out["mismatch"] = values[len(keys):]
+        return out
 
 
 @dataclass
@@ -145,7 +184,7 @@ def backward_policy_loss(policy: Policy, batch: UpdateBatch, rows: list[int], cf
     a, world = cfg.algorithm, torch.distributed.get_world_size()
     batches = list(micro_batches(batch.tokens, rows, cfg, pad_id))
     denom = _global_denominator(batches, batch.loss_mask, a.loss_agg_mode)
-    sums = UpdateSums()
+    sums = DeviceSums()
     real_passes = sum(real for _, _, real in batches)
     for k, (idx, mb, real) in enumerate(batches):
         policy.all_reduce_gradients(k == len(batches) - 1)
@@ -166,18 +205,18 @@ def backward_policy_loss(policy: Policy, batch: UpdateBatch, rows: list[int], cf
             loss = loss + policy.router.aux_loss * (policy.router_aux_loss_coef / real_passes if real else 0.0)
         loss.backward()
         if real and policy.router is not None:
-            sums.moe_aux += float(policy.router.aux_loss.detach())
-            sums.moe_load += float(policy.router.load_max_over_mean)
-            sums.moe_passes += 1
+            sums.add("moe_aux", policy.router.aux_loss)
+            sums.add("moe_load", policy.router.load_max_over_mean)
+            sums.add("moe_passes", torch.ones((), device=logp.device))
         if real:
             m = mask.bool()
-            sums.loss += float(num.detach()) / denom
-            sums.tokens += float(m.sum())
-            sums.mismatch += mismatch_sums(old, engine, mask)
+            sums.add("loss", num.detach().double() / denom)
+            sums.add("tokens", m.sum())
+            sums.add_mismatch(mismatch_vector(old, engine, mask))
             for key in ("clip_low", "clip_high", "dual_clip", "kl", "entropy", "tis_weight"):
                 if key in info:
-                    setattr(sums, key, getattr(sums, key) + float(info[key].float()[m].sum()))
-    return sums
+                    sums.add(key, info[key].float()[m].sum())
+    return UpdateSums.read(sums)
 
 
 def backward_value_loss(critic: Critic, batch: UpdateBatch, rows: list[int], cfg: DistflowConfig,
@@ -188,7 +227,7 @@ def backward_value_loss(critic: Critic, batch: UpdateBatch, rows: list[int], cfg
     batches = list(micro_batches(batch.tokens, rows, cfg, pad_id))
     resp_mask = batch.tokens.resp_mask
     denom = _global_denominator(batches, resp_mask, a.loss_agg_mode)
-    sums = UpdateSums()
+    sums = DeviceSums()
     real_passes = sum(real for _, _, real in batches)
     for k, (idx, mb, real) in enumerate(batches):
         critic.all_reduce_gradients(k == len(batches) - 1)
@@ -202,12 +241,12 @@ def backward_value_loss(critic: Critic, batch: UpdateBatch, rows: list[int], cfg
         (num * (world / denom if real else 0.0)).backward()
         if real:
             m = mask.bool()
-            sums.value_loss += float(num.detach()) / denom
-            sums.value_clipped += float(info["clipped"].sum())
-            sums.value_sq_error += float((info["error"] ** 2).sum())
-            sums.value_sum += float(values.detach()[m].sum())
-            sums.value_tokens += float(m.sum())
-    return sums
+            sums.add("value_loss", num.detach().double() / denom)
+            sums.add("value_clipped", info["clipped"].sum())
+            sums.add("value_sq_error", (info["error"] ** 2).sum())
+            sums.add("value_sum", values.detach()[m].sum())
+            sums.add("value_tokens", m.sum())
+    return UpdateSums.read(sums)
 
 
 def optimize(policy: Policy | None, critic: Critic | None, batch: UpdateBatch, cfg: DistflowConfig,
