@@ -1,18 +1,34 @@
 """Checkpoints on real gloo ranks and real DCP files: every scope saved and loaded back, torn
-checkpoints skipped, a checkpoint of another format refused, and export to a plain HF folder.
+checkpoints skipped, a checkpoint of another format refused, a save that fails on one rank
+stopping every rank, and export to a plain HF folder.
 (Bit-exact resume of whole runs: distributed/test_trainer_loop.py and e2e/test_smoke.py.)"""
 
+import datetime
 import json
+import re
+import resource
 import shutil
+import signal
+import time
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from dist_helpers import run_distributed
+from dist_helpers import free_port, gathered, run_distributed
 from config_helpers import fp32_config
 from distflow.config import ConfigError, config_record
-from distflow.run.checkpoint import FORMAT, MARKER, POLICY, Checkpointer, ModelOptimState, latest_checkpoint
+from distflow.run.checkpoint import (
+    FORMAT,
+    MARKER,
+    POLICY,
+    Checkpointer,
+    CheckpointSaveError,
+    ModelOptimState,
+    is_complete,
+    latest_checkpoint,
+)
 from distflow.distributed.layout import ParallelLayout
 from distflow.train.policy import Policy
 
@@ -37,15 +53,41 @@ def _checkpointer(out, rank, policy, keep_last):
     return ck
 
 
-def _save_two(rank, world, model_dir, out):
+def _file_size_limit(limit: int) -> None:
+    """Writes past `limit` bytes into any file fail with EFBIG (SIGXFSZ ignored), as on a full disk."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
+def _save_three_then_fail_two(rank, world, model_dir, out, port):
+    # a short collective timeout: a rank left waiting for the other fails the test in seconds
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=20))
     cfg = fp32_config()
     policy = Policy(model_dir, cfg.model, cfg.optim, ParallelLayout.current(cfg.model))
-    ck = _checkpointer(out, rank, policy, keep_last=5)
+    ck = _checkpointer(out, rank, policy, keep_last=3)
     for step in (1, 2, 3):
         ck.registry["shared"][1].value = step
         ck.save(step, config_record(cfg), model_dir)
-    # every scope comes back: a fresh registry loads what the last save wrote
-    fresh = _checkpointer(out, rank, policy, keep_last=5)
+    # step 4: rank 1 cannot write its shards (inside DCP); step 5: rank 0 cannot write the marker,
+    # once every rank has written its shards (rank 1 waits in the save's own collective). A
+    # completed save would prune step 1 (keep_last=3).
+    failures = []
+    for step, who, when in ((4, 1, "shards"), (5, 0, "marker")):
+        ck.registry["shared"][1].value = step
+        if rank == who and when == "shards":
+            _file_size_limit(1024)
+        ck.before_marker = (lambda _: _file_size_limit(1024)) if rank == who and when == "marker" else None
+        start = time.monotonic()
+        try:
+            ck.save(step, config_record(cfg), model_dir)
+            failures.append(("saved", 0.0))
+        except CheckpointSaveError as e:
+            failures.append((str(e), time.monotonic() - start))
+        _file_size_limit(resource.RLIM_INFINITY)
+    # every scope comes back: a fresh registry loads what the last complete save wrote
+    fresh = _checkpointer(out, rank, policy, keep_last=3)
     fresh.registry["per_rank"][1].value = fresh.registry["shared"][1].value = -1
     marker = fresh.load(latest_checkpoint(Path(out) / "checkpoints"))
     assert fresh.registry["per_rank"][1].value == rank and fresh.registry["shared"][1].value == 3
@@ -55,11 +97,35 @@ def _save_two(rank, world, model_dir, out):
     assert marker["config"] == config_record(cfg) and set(marker["state"]) == {"shared"}
     assert sorted(marker["files"]) == sorted(p.name for p in latest_checkpoint(Path(out) / "checkpoints").iterdir()
                                              if p.is_file() and p.name != MARKER)
+    return gathered(failures)
 
 
-def test_torn_checkpoints_are_skipped_with_a_warning(tiny_model_dir, tmp_path, caplog):
-    run_distributed(_save_two, 2, tiny_model_dir, str(tmp_path))
+@pytest.fixture(scope="module")
+def saves(tiny_model_dir, tmp_path_factory):
+    """Two gloo ranks save steps 1-3, then fail to save steps 4 and 5: (the checkpoints folder as
+    they left it, each rank's (error line, seconds) per failed save)."""
+    out = tmp_path_factory.mktemp("saves")
+    failures = run_distributed(_save_three_then_fail_two, 2, tiny_model_dir, str(out), free_port(), timeout=120)
+    return out / "checkpoints", failures
+
+
+def test_a_failed_write_on_one_rank_stops_every_rank_and_keeps_the_checkpoints(saves):
+    root, per_rank = saves
+    for failures in per_rank:
+        for (line, seconds), step, rank in zip(failures, (4, 5), (1, 0)):
+            assert re.fullmatch(rf"checkpoint of step {step}: could not write {root}/step_00000{step}.tmp: File too "
+                                rf"large on rank {rank} \([0-9.]+ [KMGT]?i?B free there\); the save was removed and "
+                                rf"the latest checkpoint is still {root}/step_000003: make room and relaunch to "
+                                "resume", line), line
+            assert seconds < 10  # learned through the save's collectives, not by waiting out a timeout
+    # no .tmp folder is left, nothing was pruned, and the checkpoints before are complete
+    assert sorted(p.name for p in root.iterdir()) == ["step_000001", "step_000002", "step_000003"]
+    assert all(is_complete(p) for p in root.iterdir()) and latest_checkpoint(root) == root / "step_000003"
+
+
+def test_torn_checkpoints_are_skipped_with_a_warning(saves, tmp_path, caplog):
     root = tmp_path / "checkpoints"
+    shutil.copytree(saves[0], root)
     assert latest_checkpoint(root) == root / "step_000003"
     (root / "step_000003" / MARKER).unlink()  # no completion marker
     shard = next((root / "step_000002").glob("*.distcp"))

@@ -19,6 +19,11 @@ another format is refused with a message that says so.
 A checkpoint written by N ranks loads on M: DCP reshards the sharded states, and a rank that
 did not exist gets rank 0's rank-scoped state, or what the object's `state_for_new_rank`
 derives from it (RNGState derives fresh streams from the run seed, the step and the rank).
+
+A checkpoint is data: DCP's files are read through distflow.run.checkpoint_reader, which runs
+no code from them, and a marker that is not the JSON a save writes is a torn checkpoint. A save
+that fails on any rank (a full disk, a file over its size limit) fails on every rank at the same
+point, with one line, and leaves the previous checkpoint as the latest.
 """
 
 from __future__ import annotations
@@ -35,11 +40,13 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from distflow.config import ConfigError
-from distflow.distributed import barrier, rank_and_world
+from distflow.distributed import all_reduce, rank_and_world
+from distflow.run.checkpoint_reader import load_checkpoint
 
 log = logging.getLogger("distflow")
 
@@ -133,7 +140,8 @@ def latest_checkpoint(root: Path) -> Path | None:
         if step is None:
             continue
         if not is_complete(path):
-            log.warning("skipping incomplete checkpoint %s (no %s marker or missing files)", path, MARKER)
+            log.warning("skipping incomplete checkpoint %s (no valid %s marker, or a missing or truncated file)",
+                        path, MARKER)
             continue
         if best is None or step > best[0]:
             best = (step, path)
@@ -141,16 +149,65 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def is_complete(path: Path) -> bool:
-    marker = path / MARKER
-    if not marker.is_file():
-        return False
+    """A well-formed marker, and every file it lists at the size it lists (a truncated or missing
+    shard is as bad as a missing marker)."""
+    marker = _marker(path)
+    return marker is not None and all((path / name).is_file() and (path / name).stat().st_size == size
+                                      for name, size in marker["files"].items())
+
+
+def _marker(path: Path) -> dict | None:
+    """The folder's marker if it is what a save writes: a JSON object with an int `step`, an int
+    `format` (none: format 1), `files` mapping the folder's plain file names to sizes, and, in this
+    format, what `load` reads; else None (torn, or not distflow's)."""
     try:
-        info = json.loads(marker.read_text())
-    except (OSError, ValueError):
-        return False
-    # a truncated or missing shard is as bad as a missing marker
-    return all((path / name).is_file() and (path / name).stat().st_size == size
-               for name, size in info.get("files", {}).items())
+        info = json.loads((path / MARKER).read_text())
+    except (OSError, ValueError, RecursionError):  # ValueError: not JSON, not UTF-8, a 5000-digit number
+        return None
+    if not isinstance(info, dict) or not _count(info.get("step")) or not _count(info.get("format", 1)):
+        return None
+    files = info.get("files")
+    if not isinstance(files, dict) or not files or not all(
+            isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and _count(size) for name, size in files.items()):
+        return None
+    if info.get("format", 1) == FORMAT and not (
+            _count(info.get("world_size")) and info["world_size"] >= 1 and isinstance(info.get("config"), dict)
+            and isinstance(info.get("model_path"), str) and isinstance(info.get("state"), dict)):
+        return None
+    return info
+
+
+def _count(value: object) -> bool:
+    """An int >= 0 (JSON's true/false are not counts)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save failed on some rank (a full disk, a file over its size limit): every rank raises it,
+    with the same line, and the previous checkpoint stays the latest."""
+
+
+def _attempt(write: Callable[[], None]) -> OSError | None:
+    """Run `write`; the OSError it met (DCP hands every rank a failure of any rank), else None."""
+    try:
+        write()
+    except OSError as e:
+        return e
+    except CheckpointException as e:
+        error = next((err for err, _ in e.failures.values() if isinstance(err, OSError)), None)
+        if error is None:
+            raise
+        return error
+    return None
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
 
 
 class Checkpointer:
@@ -174,36 +231,70 @@ class Checkpointer:
 
     def save(self, step: int, config: dict, model_path: str) -> Path:
         """Collective: every rank calls it. `config` (the run's config record) and `model_path` (the
-        resolved base model, which export loads) go in the marker, identical on every rank."""
+        resolved base model, which export loads) go in the marker, identical on every rank.
+
+        Each rank's writes are checked by the collective that follows them: an OSError on any rank
+        (ENOSPC, EFBIG) is a CheckpointSaveError on every rank there, the `.tmp` folder is removed
+        and nothing is pruned."""
         final = self.root / f"step_{step:06d}"
         tmp = self.root / f"step_{step:06d}.tmp"
-        if self.rank == 0:
+
+        def begin() -> None:
             for torn in self.root.glob("step_*.tmp"):  # saves cut short earlier (no save runs beside this one)
                 shutil.rmtree(torn, ignore_errors=True)
             tmp.mkdir(parents=True)
-        barrier()
-        sharded = self._scope("sharded")
-        if sharded:
-            dcp.save(sharded, checkpoint_id=str(tmp))
-        rank_state = {name: s.state_dict() for name, s in self._scope("rank").items()}
-        (tmp / f"rank_{self.rank}.json").write_text(json.dumps(rank_state))
-        shared = {name: s.state_dict() for name, s in self._scope("shared").items()}
-        barrier()
-        if self.before_marker is not None:
-            self.before_marker(step)
-        if self.rank == 0:
+
+        def write_shards() -> None:
+            sharded = self._scope("sharded")
+            if sharded:
+                dcp.save(sharded, checkpoint_id=str(tmp))
+            rank_state = {name: s.state_dict() for name, s in self._scope("rank").items()}
+            (tmp / f"rank_{self.rank}.json").write_text(json.dumps(rank_state))
+
+        def finish() -> None:
             files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
             (tmp / MARKER).write_text(json.dumps({"format": FORMAT, "step": step, "world_size": rank_and_world()[1],
                                                   "files": files, "config": config, "model_path": model_path,
                                                   "state": shared}))
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-            self._prune()
-        barrier()
+            self._prune()  # only once this save is complete
+
+        self._agree(_attempt(begin) if self.rank == 0 else None, step, tmp)
+        self._agree(_attempt(write_shards), step, tmp)
+        shared = {name: s.state_dict() for name, s in self._scope("shared").items()}
+        if self.before_marker is not None:
+            self.before_marker(step)
+        self._agree(_attempt(finish) if self.rank == 0 else None, step, tmp)
         return final
 
+    def _agree(self, error: OSError | None, step: int, tmp: Path) -> None:
+        """Collective (the barrier between a save's phases): every rank learns whether any rank's
+        writes failed; if one did, rank 0 removes `tmp` and every rank raises the same line."""
+        code = float((error.errno or 0) * 65536 + self.rank + 1) if error is not None else 0.0
+        code = int(all_reduce([code], op="max")[0])
+        if code == 0:
+            return
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        errno, rank = divmod(code - 1, 65536)
+        try:
+            free = _size(shutil.disk_usage(self.root).free)
+        except OSError:
+            free = "unknown"
+        previous = latest_checkpoint(self.root)
+        raise CheckpointSaveError(
+            f"checkpoint of step {step}: could not write {tmp}: {os.strerror(errno) if errno else 'write failed'} "
+            f"on rank {rank} ({free} free there); the save was removed and the latest checkpoint is still "
+            f"{previous or 'none'}: make room and relaunch to resume")
+
     def _prune(self) -> None:
-        complete = sorted((p for p in self.root.iterdir() if _step_of(p) is not None and is_complete(p)), key=_step_of)
+        try:
+            complete = sorted((p for p in self.root.iterdir() if _step_of(p) is not None and is_complete(p)),
+                              key=_step_of)
+        except OSError as e:  # the save itself is complete; pruning is retried after the next one
+            log.warning("could not list %s to prune old checkpoints: %s", self.root, e)
+            return
         for old in complete[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -222,7 +313,7 @@ class Checkpointer:
                               "algorithm or model setup wrote it)")
         sharded = self._scope("sharded")
         if sharded:
-            dcp.load(sharded, checkpoint_id=str(path))  # reshards to this world size
+            load_checkpoint(sharded, path)  # reshards to this world size; runs no code from the files
         for name, state in self._scope("rank").items():
             saved = rank_state[name]
             if new_rank and hasattr(state, "state_for_new_rank"):
@@ -235,9 +326,9 @@ class Checkpointer:
 
 def read_marker(path: Path) -> dict:
     """The marker of a complete checkpoint of this format; ConfigError otherwise."""
-    if not is_complete(path):
-        raise ConfigError(f"checkpoint {path} is incomplete (no {MARKER} marker or a truncated file)")
-    marker = json.loads((path / MARKER).read_text())
+    marker = _marker(path)
+    if marker is None or not is_complete(path):
+        raise ConfigError(f"checkpoint {path} is incomplete (no valid {MARKER} marker, or a missing or truncated file)")
     if marker.get("format", 1) != FORMAT:
         raise ConfigError(f"checkpoint {path} has format {marker.get('format', 1)}, this distflow reads format "
                           f"{FORMAT}; resume it with the distflow that wrote it, or start fresh with "

@@ -14,11 +14,11 @@ import argparse
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distflow.config import ConfigError, LoraConfig
 from distflow.run.checkpoint import POLICY, read_marker
+from distflow.run.checkpoint_reader import load_checkpoint, read_metadata
 from distflow.train.lora import (
     adapter_tensors,
     add_adapters,
@@ -69,6 +69,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, merged: bool = False) -> st
     path = Path(checkpoint)
     try:
         marker = read_marker(path)
+        read_metadata(path)  # refused before any model loads
     except ConfigError as e:
         raise SystemExit(f"distflow export: error: {e}") from None
     model_path = marker["model_path"]
@@ -81,7 +82,10 @@ def export_checkpoint(checkpoint: str, out_dir: str, merged: bool = False) -> st
         state = {POLICY: {"model": {k: v for k, v in model.state_dict().items() if is_adapter_key(k)}}}
     else:
         state = {POLICY: {"model": model.state_dict()}}
-    dcp.load(state, checkpoint_id=str(path))  # in place, into the model's own tensors
+    try:
+        load_checkpoint(state, path)  # in place, into the model's own tensors; runs no code from the files
+    except ConfigError as e:
+        raise SystemExit(f"distflow export: error: {e}") from None
     if config is not None and not merged:
         return write_adapter_folder(adapter_tensors(model), config, out_dir)
     weights = dict(merged_parameters(model, torch.float32)) if config is not None else state[POLICY]["model"]
