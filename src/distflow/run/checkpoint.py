@@ -47,6 +47,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from distflow.config import ConfigError
 from distflow.distributed import all_reduce, rank_and_world
 from distflow.run.checkpoint_reader import load_checkpoint
+from distflow.run.output import free_space
+from distflow.run.preemption import RunAborted
 
 log = logging.getLogger("distflow")
 
@@ -183,9 +185,9 @@ def _count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-class CheckpointSaveError(RuntimeError):
+class CheckpointSaveError(RunAborted):
     """A save failed on some rank (a full disk, a file over its size limit): every rank raises it,
-    with the same line, and the previous checkpoint stays the latest."""
+    with the same line (exit 1), and the previous checkpoint stays the latest."""
 
 
 def _attempt(write: Callable[[], None]) -> OSError | None:
@@ -200,14 +202,6 @@ def _attempt(write: Callable[[], None]) -> OSError | None:
             raise
         return error
     return None
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 class Checkpointer:
@@ -278,15 +272,12 @@ class Checkpointer:
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         errno, rank = divmod(code - 1, 65536)
-        try:
-            free = _size(shutil.disk_usage(self.root).free)
-        except OSError:
-            free = "unknown"
         previous = latest_checkpoint(self.root)
+        what = os.strerror(errno) if errno else "write failed"
         raise CheckpointSaveError(
-            f"checkpoint of step {step}: could not write {tmp}: {os.strerror(errno) if errno else 'write failed'} "
-            f"on rank {rank} ({free} free there); the save was removed and the latest checkpoint is still "
-            f"{previous or 'none'}: make room and relaunch to resume")
+            f"checkpoint of step {step}: could not write {tmp}: {what} on rank {rank} ({free_space(self.root)} free "
+            f"there); the save was removed and the latest checkpoint is still {previous or 'none'}: make room and "
+            "relaunch to resume")
 
     def _prune(self) -> None:
         try:
