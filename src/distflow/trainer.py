@@ -49,13 +49,14 @@ from distflow.run.faults import inject_fault, resync_fault, save_fault
 from distflow.run.loggers import MetricLogger
 from distflow.run.output import note_expected_warnings, save_config, setup_output
 from distflow.run.preemption import RunAborted, StepBoundary, Stopped, StopSignal, write_stop_file
-from distflow.run.report import StragglerWatch, run_summary, step_report, timed
+from distflow.run.report import StragglerWatch, run_summary, step_report, sync_phase_edges, timed
 from distflow.run.resume import agree_on_plan
 from distflow.run.rundir import RunDir
 from distflow.sample import Sample
 from distflow.train.batch import CURRENT_POLICY, OldLogprobs, TokenBatch, UpdateBatch
 from distflow.train.critic import Critic
 from distflow.train.lora import adapter_tensors
+from distflow.train.memory_budget import check_memory_budget
 from distflow.train.policy import Policy, check_model_options
 from distflow.train.update import UpdateResult, forward_rows, optimize, response_logprobs
 
@@ -106,7 +107,11 @@ class Trainer:
         self.items = load_prompts(cfg.task, tok, limit, env=env)
         self.heldout = load_prompts(cfg.task, tok, limit, split="heldout", env=env) if cfg.validation.wanted else []
         self.sampler = ShardedSampler(len(self.items), self.dist.rank, self.dist.world_size, r.seed, cfg.data.shuffle)
+        critic_path = on_local_rank0_first(lambda: resolve_model_path(cfg.critic.path), self.dist.local_rank) \
+            if cfg.critic.path else self.model_path
         check_model_options(self.model_path, cfg.model)  # before any weights load
+        check_memory_budget(cfg, self.model_path, self.layout, critic_path)  # CUDA: what each phase needs must fit
+        sync_phase_edges(self.dist.device, cfg.logging.sync_timing)
         log.info(f"loading weights: {cfg.model.path} into the {cfg.rollout.engine} engine and the policy")
         self.engine = build_engine(self.model_path, cfg.model, cfg.rollout, self.dist.device, r.seed,
                                    self.layout.engine_group)
@@ -119,8 +124,6 @@ class Trainer:
         self.reference = None if a.kl_coef <= 0 else self.policy.base() if self.policy.lora \
             else Policy(self.model_path, cfg.model, cfg.optim, self.layout, trainable=False)
         # The critic exists only for estimators that need values (PPO's GAE).
-        critic_path = on_local_rank0_first(lambda: resolve_model_path(cfg.critic.path), self.dist.local_rank) \
-            if cfg.critic.path else self.model_path
         self.critic = Critic(critic_path, cfg.critic, cfg.model, cfg.optim, self.layout) if cfg.has_critic else None
         self.estimator = ADVANTAGE_ESTIMATORS[a.advantage]
         self.step, self.evaluations, self.nonfinite_streak = 0, {}, 0

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm,
 REQUIRED_KEYS = [
     "step", "reward/mean", "response_length/mean", "timing/generate_s", "timing/reward_s",
     "timing/logprob_s", "timing/update_s", "timing/sync_s", "timing/step_s", "throughput/tokens_per_s",
-    "sync/max_abs_logprob_diff", "loss/policy", "grad_norm", "lr",
+    "throughput/generate_tokens_per_s", "throughput/update_tokens_per_s", "sync/max_abs_logprob_diff", "loss/policy", "grad_norm", "lr",
 ]
 TORCHRUN = doc_command(".venv/bin/torchrun --standalone --nproc_per_node=2 recipes/grpo.py experiment=smoke")
 LOCAL_SH = doc_command("launch/local.sh 2 experiment=smoke")

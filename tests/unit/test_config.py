@@ -145,7 +145,8 @@ def test_old_spellings_compose_the_same_config_and_name_the_new_keys():
                      "(gae trains one)"]  # one line per key, however often it is used
 
 
-NEWER_OPERATIONAL = {"logging.progress_every_s", "run.allow_engine_mismatch"}  # operational keys added since that list
+NEWER_OPERATIONAL = {"logging.progress_every_s", "run.allow_engine_mismatch", "run.memory_check",
+                     "logging.sync_timing"}  # operational keys added since that list
 
 
 def test_operational_keys_are_the_ones_resume_always_allowed():

@@ -56,3 +56,25 @@ def test_straggler_watch_names_a_persistent_slow_rank_once_per_streak():
     assert [watch.observe(row(0, 2.0, 1.0)) for _ in range(3)][-1] is not None
     off = StragglerWatch(0)
     assert all(off.observe(row(1, 9.0, 1.0)) is None for _ in range(10))
+
+
+def test_phase_edges_wait_for_the_device_only_when_asked_on_cuda():
+    import torch
+
+    from distflow.run import report
+
+    try:
+        report.sync_phase_edges(torch.device("cpu"), True)
+        assert report._phase_edge is None  # the CPU has no queue to wait for
+        report.sync_phase_edges(torch.device("cuda", 0), False)
+        assert report._phase_edge is None
+        report.sync_phase_edges(torch.device("cuda", 0), True)
+        assert report._phase_edge is torch.cuda.synchronize
+        edges = []
+        report._phase_edge = lambda: edges.append(time.perf_counter())
+        timing: dict[str, float] = {}
+        with report.timed(timing, "update"):
+            time.sleep(0.01)
+        assert len(edges) == 2 and timing["update"] >= edges[1] - edges[0] - 1e-3  # both edges inside the clock
+    finally:
+        report.sync_phase_edges(torch.device("cpu"), False)

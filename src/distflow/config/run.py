@@ -34,6 +34,10 @@ class RunConfig:
         False, "A probe (at start-up and on probed steps) past what the dtype explains stops the run: the engine "
         "would sample from another distribution than the policy trains (distflow.rollout.weight_sync.PROBE_LIMIT). "
         "true: warn and train anyway.", operational=True)
+    memory_check: bool = knob(
+        True, "On CUDA, estimate at start-up what each phase puts on a rank's GPU (engine, weights, AdamW state, "
+        "gradients, reference, critic, activations) and stop with one line when it cannot fit "
+        "(distflow.train.memory_budget); false: skip the estimate.", operational=True)
     max_nonfinite_steps: int = knob(
         3, "A step whose loss or gradient norm is not finite on any rank is skipped on all ranks "
         "(update/nonfinite_skipped); this many consecutive skipped steps stop the run.", operational=True)
@@ -118,6 +122,9 @@ class LoggingConfig:
         10.0, "Without a bar, a progress line (step, reward, step time, ETA) at the first and the last step and at "
         "most once per this many seconds between them; 0: every step.", operational=True)
     wandb_project: str = knob("distflow", "The W&B project (loggers: wandb).", operational=True)
+    sync_timing: bool = knob(
+        False, "CUDA: wait for the device at every phase edge, so timing/* and throughput/* measure the device's work "
+        "rather than when the host queued it (costs the host's run-ahead); no effect on CPU.", operational=True)
     plot_at_end: bool = knob(True, "Write training.png at the end of the run (distflow.run.plot).", operational=True)
     straggler_warn_steps: int = knob(
         5, "Warn when the same rank has the most compute time (step minus timing/wait_s) for this many consecutive "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import fields
+from typing import Callable
 
 import torch
 
@@ -64,6 +65,10 @@ def step_report(cfg: DistflowConfig, step: int, samples: list[Sample], rewards: 
         "response/truncated_frac": g["truncated"] / n,
         **{k: v for k, v in g.items() if k.startswith(("timing/", "memory/"))},
         "throughput/tokens_per_s": g["tokens"] / max(g["timing/step_s"], 1e-9),
+        # per phase, over the slowest rank's phase time: generated tokens while generating; every token the
+        # update trained on (prompt and response, once per PPO epoch) while updating
+        "throughput/generate_tokens_per_s": g["resp_tokens"] / max(g.get("timing/generate_s", 0.0), 1e-9),
+        "throughput/update_tokens_per_s": g["tokens"] * a.ppo_epochs / max(g.get("timing/update_s", 0.0), 1e-9),
         "sync/max_abs_logprob_diff": g["sync/max_abs_logprob_diff"],
         "loss/policy": g["upd/loss"] / upd.passes,
         "clip/fraction_low": g["upd/clip_low"] / trained,
@@ -186,11 +191,26 @@ def run_summary(steps: int, wall_s: float, world_size: int, evaluations: dict[st
     return summary
 
 
+_phase_edge: Callable[[], None] | None = None  # set by sync_phase_edges
+
+
+def sync_phase_edges(device: torch.device, enabled: bool) -> None:
+    """logging.sync_timing: on CUDA the host queues kernels and runs ahead, so a phase's host-clock
+    time is when its work was queued, not done. With this on, every phase edge waits for the
+    device first (a cost: the host can no longer run ahead across phases). A no-op on CPU."""
+    global _phase_edge
+    _phase_edge = torch.cuda.synchronize if enabled and device.type == "cuda" else None
+
+
 @contextmanager
 def timed(out: dict[str, float], key: str):
     """Adds the wall time of the block to out[key] (so repeated phases accumulate)."""
+    if _phase_edge is not None:
+        _phase_edge()
     t = time.perf_counter()
     try:
         yield
     finally:
+        if _phase_edge is not None:
+            _phase_edge()
         out[key] = out.get(key, 0.0) + time.perf_counter() - t

@@ -1,0 +1,122 @@
+"""A start-up check that one rank's GPU can hold what the run will put on it, before anything is
+allocated: the first wake-up of the engine comes after the first update has allocated AdamW's
+state, so a run that does not fit would otherwise fail minutes in, at its first resync.
+
+The estimate is arithmetic from the parameter count and the model's shapes (docs/scaling.md,
+"GPU memory"), per rank, for the two moments that matter:
+
+  generate  the awake engine (rollout.gpu_memory_utilization of the card, or its weights plus
+            rollout.kv_cache_gib when that is set), beside everything that stays between steps:
+            float32 master weights (4 B per parameter / shard ranks), AdamW's two moments (8 B),
+            the frozen KL reference (in the compute dtype), the critic, one resync bucket, and
+            the CUDA context and NCCL's buffers;
+  update    the same without the engine when it sleeps (rollout.sleep_during_update), plus the
+            float32 gradients, the gathered blocks and one micro-batch's activations and logits.
+
+Activations are the coarse term: per token, with activation checkpointing, each block's saved
+input and one block's recompute; without it, every block's intermediates. Run with
+run.memory_check=false to train past a refusal this estimate got wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from distflow.config import ConfigError, DistflowConfig
+
+GIB = 2**30
+CONTEXT_BYTES = 2 * GIB  # CUDA context, NCCL's buffers, the allocator's fragmentation
+ENGINE_OVERHEAD_BYTES = 1 * GIB  # vLLM's own buffers when the KV cache is sized explicitly
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    parameters: int
+    hidden: int
+    layers: int
+    intermediate: int
+    vocab: int
+
+    @classmethod
+    def of(cls, config, parameters: int) -> "ModelShape":
+        text = getattr(config, "text_config", None) or config
+        hidden = int(text.hidden_size)
+        return cls(parameters, hidden, int(text.num_hidden_layers),
+                   int(getattr(text, "intermediate_size", None) or 4 * hidden), int(text.vocab_size))
+
+
+def estimate(cfg: DistflowConfig, policy: ModelShape, critic: ModelShape | None, device_bytes: int,
+             shard: int, engine_tp: int, compute_bytes: int) -> dict[str, dict[str, float]]:
+    """Bytes per rank by item, for the generate and the update phase."""
+    m, o, r = cfg.model, cfg.optim, cfg.rollout
+    trainable = 0 if m.lora.enabled else policy.parameters  # LoRA: adapters only, a rounding error here
+    frozen = policy.parameters if m.lora.enabled else 0  # the LoRA base, in the compute dtype
+    always = {
+        "policy weights": (4 * trainable + compute_bytes * frozen) / shard,
+        "AdamW state": 8 * trainable / shard,
+        "CUDA context and NCCL": CONTEXT_BYTES,
+    }
+    if cfg.algorithm.kl_coef > 0 and not m.lora.enabled:
+        always["KL reference"] = compute_bytes * policy.parameters / shard
+    if critic is not None:
+        always["critic weights and AdamW state"] = 12 * critic.parameters / shard
+    if r.kv_cache_gib is None:
+        engine = r.gpu_memory_utilization * device_bytes
+    else:
+        engine = compute_bytes * policy.parameters / engine_tp + r.kv_cache_gib * GIB + ENGINE_OVERHEAD_BYTES
+    generate = {**always, "vLLM engine": engine, "resync bucket": r.sync_bucket_mib * 2**20}
+    tokens = o.micro_batch_tokens or o.micro_batch_size * (r.max_prompt_tokens + r.max_new_tokens)
+    block = compute_bytes * (10 * policy.hidden + 3 * policy.intermediate)  # one block's intermediates per token
+    saved = compute_bytes * policy.hidden * policy.layers + block if m.activation_checkpointing \
+        else block * policy.layers
+    logit_tokens = min(tokens, m.logprob_chunk_tokens) if m.logprob_chunk_tokens else tokens
+    update = {**always,
+              "gradients": 4 * (trainable + (critic.parameters if critic else 0)) / shard,
+              "gathered blocks": 2 * compute_bytes * policy.parameters / max(policy.layers, 1),
+              "activations": tokens * saved,
+              "logits": 3 * 4 * logit_tokens * policy.vocab}
+    if not r.sleep_during_update:
+        update["vLLM engine"] = engine
+    return {"generate": generate, "update": update}
+
+
+def check(phases: dict[str, dict[str, float]], device_bytes: int) -> None:
+    """One line naming the phase, the largest items and the knobs, when a phase does not fit."""
+    for phase, items in phases.items():
+        total = sum(items.values())
+        if total <= device_bytes:
+            continue
+        top = sorted(items.items(), key=lambda kv: -kv[1])[:4]
+        parts = ", ".join(f"{name} {value / GIB:.1f}" for name, value in top)
+        knobs = ("lower rollout.gpu_memory_utilization (or set rollout.kv_cache_gib), or shard over more ranks "
+                 "(model.shard_ranks, more GPUs)") if phase == "generate" else \
+            ("set model.activation_checkpointing=true, lower optim.micro_batch_size or set optim.micro_batch_tokens, "
+             "keep rollout.sleep_during_update=true, or shard over more ranks")
+        raise ConfigError(f"the {phase} phase needs about {total / GIB:.1f} GiB per GPU ({parts} GiB), more than the "
+                          f"device's {device_bytes / GIB:.1f} GiB: {knobs}; run.memory_check=false skips this estimate")
+
+
+def check_memory_budget(cfg: DistflowConfig, model_path: str, layout, critic_path: str | None = None,
+                        device_bytes: int | None = None) -> dict[str, dict[str, float]] | None:
+    """The estimate for this run on the layout's device (CUDA; `device_bytes` defaults to its total
+    memory), refused with one line when it does not fit; None on CPU or with run.memory_check=false.
+    Reads the configs and builds meta skeletons only."""
+    if device_bytes is None and (layout.device.type != "cuda" or not cfg.run.memory_check):
+        return None
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from distflow.distributed.devices import torch_dtype
+    from distflow.train.model_init import skeleton
+
+    def shape(path: str) -> ModelShape:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+        model = skeleton(AutoModelForCausalLM, config, cfg.model.trust_remote_code)
+        return ModelShape.of(config, sum(p.numel() for p in model.parameters()))
+
+    total = torch.cuda.mem_get_info(layout.device)[1] if device_bytes is None else device_bytes
+    compute = torch_dtype(cfg.model.dtype, "cuda").itemsize
+    phases = estimate(cfg, shape(model_path), shape(critic_path) if critic_path and cfg.has_critic else None, total,
+                      layout.shard, layout.engine_tp, compute)
+    check(phases, total)
+    return phases

@@ -1,0 +1,81 @@
+"""The start-up GPU memory estimate, on fake device sizes: the worked 32B-on-8-GPUs example of
+docs/scaling.md fits as the docs say, and each way of not fitting is one line naming the knob."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from distflow.config import ConfigError, DistflowConfig
+from distflow.train.memory_budget import GIB, ModelShape, check, check_memory_budget, estimate
+from distflow.train.model_init import skeleton
+
+QWEN_32B = Qwen2Config(hidden_size=5120, num_hidden_layers=64, intermediate_size=27648, num_attention_heads=40,
+                       num_key_value_heads=8, vocab_size=152064)
+H100 = 80 * GIB
+
+
+@pytest.fixture(scope="module")
+def qwen_32b() -> ModelShape:
+    model = skeleton(AutoModelForCausalLM, QWEN_32B)  # meta device: counts, allocates nothing
+    return ModelShape.of(QWEN_32B, sum(p.numel() for p in model.parameters()))
+
+
+def _cfg(**rollout) -> DistflowConfig:
+    cfg = DistflowConfig()
+    cfg.rollout.max_prompt_tokens = cfg.rollout.max_new_tokens = 512
+    cfg.optim.micro_batch_tokens, cfg.model.activation_checkpointing, cfg.model.logprob_chunk_tokens = 4096, True, 1024
+    for key, value in rollout.items():
+        setattr(cfg.rollout, key, value)
+    return cfg
+
+
+def test_the_documented_32b_layout_fits_and_its_terms_are_the_documented_ones(qwen_32b):
+    assert 32.7e9 < qwen_32b.parameters < 32.8e9
+    phases = estimate(_cfg(gpu_memory_utilization=0.3), qwen_32b, None, H100, shard=8, engine_tp=4, compute_bytes=2)
+    check(phases, H100)
+    gen, upd = phases["generate"], phases["update"]
+    assert gen["policy weights"] == pytest.approx(16.38e9, rel=1e-3) and gen["AdamW state"] == pytest.approx(32.76e9, rel=1e-3)
+    assert gen["vLLM engine"] == 0.3 * H100 and "vLLM engine" not in upd  # asleep during the update
+    assert upd["gradients"] == pytest.approx(16.38e9, rel=1e-3) and upd["activations"] < 5e9
+
+
+def test_without_checkpointing_the_update_is_refused_naming_the_knob(qwen_32b):
+    cfg = _cfg(gpu_memory_utilization=0.3)
+    cfg.model.activation_checkpointing = False
+    with pytest.raises(ConfigError, match=r"^the update phase needs about \d+\.\d GiB per GPU \(activations") as e:
+        check(estimate(cfg, qwen_32b, None, H100, 8, 4, 2), H100)
+    assert "model.activation_checkpointing=true" in str(e.value) and "run.memory_check=false" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_an_engine_share_the_card_cannot_hold_beside_the_training_state(qwen_32b):
+    with pytest.raises(ConfigError, match=r"^the generate phase .*AdamW state 30\.5.*lower rollout.gpu_memory_util"):
+        check(estimate(_cfg(gpu_memory_utilization=0.5), qwen_32b, None, H100, 8, 4, 2), H100)
+    # an explicit KV cache replaces the share: the engine's weights (65.6 GB / 4) plus the cache
+    phases = estimate(_cfg(kv_cache_gib=4.0), qwen_32b, None, H100, 8, 4, 2)
+    assert phases["generate"]["vLLM engine"] == pytest.approx(2 * qwen_32b.parameters / 4 + 5 * GIB)
+    # an engine that stays awake through the update counts there too
+    phases = estimate(_cfg(sleep_during_update=False), qwen_32b, None, H100, 8, 4, 2)
+    assert phases["update"]["vLLM engine"] == 0.35 * H100
+
+
+def test_the_check_reads_a_model_folder_and_a_small_device_refuses(tiny_model_dir):
+    from distflow.config import ModelConfig
+    from distflow.distributed import DistInfo
+    from distflow.distributed.layout import ParallelLayout
+
+    cfg = DistflowConfig()
+    cfg.algorithm.kl_coef, cfg.algorithm.advantage = 0.1, "gae"  # a reference and a critic
+    layout = ParallelLayout.from_config(ModelConfig(path=tiny_model_dir),
+                                        DistInfo(0, 1, 0, 1, torch.device("cuda", 0), "nccl"))
+    phases = check_memory_budget(cfg, tiny_model_dir, layout, tiny_model_dir, device_bytes=H100)
+    assert {"KL reference", "critic weights and AdamW state"} <= phases["generate"].keys()
+    with pytest.raises(ConfigError, match=r"more than the device's 1\.0 GiB"):
+        check_memory_budget(cfg, tiny_model_dir, layout, device_bytes=GIB)
+    # nothing to check on the CPU, or when turned off
+    cpu = ParallelLayout.from_config(ModelConfig(path=tiny_model_dir), DistInfo(0, 1, 0, 1, torch.device("cpu"), "gloo"))
+    assert check_memory_budget(cfg, tiny_model_dir, cpu) is None
+    cfg.run.memory_check = False
+    assert check_memory_budget(cfg, tiny_model_dir, layout) is None
