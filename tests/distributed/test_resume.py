@@ -180,7 +180,8 @@ import sys, time
 from distflow.config import DistflowConfig
 from distflow.run.resume import plan_resume
 cfg = DistflowConfig()
-cfg.model.dtype, cfg.task.path, cfg.checkpoint.resume, cfg.run.output_dir = "float32", "data.jsonl", "never", sys.argv[1]
+cfg.model.dtype, cfg.task.path, cfg.checkpoint.resume = "float32", "data.jsonl", "never"
+cfg.run.output_dir = sys.argv[1]
 print(plan_resume(cfg).set_aside, flush=True)
 time.sleep(120)
 """

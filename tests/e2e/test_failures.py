@@ -1,11 +1,11 @@
-"""What a failing launch looks like. Through launch/local.sh a config mistake is one line and
-exit status 2 before torchrun starts. Under bare torchrun: a config or input mistake is one
-`distflow: error:` line per rank that reaches it, named in torchrun's failure summary, with
-nothing loaded; a rank killed mid-run is restarted by torchrun and resumes; a rank that raises
-fails the job with its own error, and a second launch into its folder while it is live is refused;
-nodes launched with different overrides are refused; Hydra's multirun is refused. The other config and data errors, and every rank saying each, are checked
-in-process on 2 ranks (distributed/test_trainer_loop.py): these few prove the behaviour through
-the real entry points."""
+"""What a failing launch looks like. Through launch/local.sh a config mistake is one line and exit
+status 2 before torchrun starts. Under bare torchrun: a config or input mistake is one `distflow:
+error:` line per rank that reaches it, named in torchrun's failure summary, with nothing loaded; a
+rank killed mid-run is restarted by torchrun and resumes; a rank that raises fails the job with its
+own error, and a second launch into its folder while it is live is refused; nodes launched with
+different overrides are refused; Hydra's multirun is refused. The other config and data errors, and
+every rank saying each, are checked in-process on 2 ranks (distributed/test_trainer_loop.py): these
+few prove the behaviour through the real entry points."""
 
 import json
 import os
@@ -111,7 +111,8 @@ def test_raising_rank_fails_the_job_with_its_error_and_a_second_launch_meanwhile
     assert LOADING not in text
     assert not (out / "previous").exists()  # nothing of the live run was moved
     assert first.returncode != 0
-    assert "distflow: rank 1 failed: RuntimeError: injected fault on rank 1 at step 2" in (tmp_path / "first.err").read_text()
+    failed = "distflow: rank 1 failed: RuntimeError: injected fault on rank 1 at step 2"
+    assert failed in (tmp_path / "first.err").read_text()
     assert [r["step"] for r in read_metrics(out)] == [1]
 
 

@@ -154,8 +154,8 @@ def test_an_output_dir_that_cannot_be_created_or_written_stops_with_one_line(tmp
         assert list(ro.iterdir()) == []
     with private_tmpfs(tmp_path / "full", size="16k") as full:
         filler = fill(full)
-        with pytest.raises(ConfigError, match=rf"^run.output_dir {full}/run is not writable: could not write "
-                                              rf"{full}/run/.distflow-lock: No space left on device \(0 B free there\)$"):
+        with pytest.raises(ConfigError, match=rf"^run.output_dir {full}/run is not writable: could not write {full}/run/"
+                                              r".distflow-lock: No space left on device \(0 B free there\)$"):
             RunDir(full / "run").lock()
         assert sorted(os.listdir(full)) == ["filler"]  # what the refused launch created is gone again
         filler.unlink()
