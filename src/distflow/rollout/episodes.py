@@ -23,6 +23,7 @@ tool/errors or tool/timeouts). A turn cut at rollout.max_new_tokens is answered 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from distflow.config import ConfigError, RolloutConfig
@@ -53,6 +54,12 @@ class ObservationEncoder:
     The template renders a fixed conversation whose assistant content is a marker; everything
     after the marker is this text. Observations are the only text distflow encodes during a
     rollout; their ids are appended as they are.
+
+    An observation's content is text, never control tokens: a tool's output that prints the
+    template's own markers (`<|im_end|>`, `<|im_start|>assistant`) must not end the tool's turn or
+    open a turn for the model. The template is rendered with a marker in place of each message's
+    content; the template's text around them is encoded as usual (its control tokens stay control
+    tokens) and the content with split_special_tokens, as ordinary text tokens.
     """
 
     def __init__(self, tokenizer):
@@ -61,6 +68,23 @@ class ObservationEncoder:
                        {"role": "assistant", "content": _TURN}]
 
     def text(self, messages: list[dict], last_token: int | None) -> str:
+        return "".join(piece for piece, _ in self.pieces(messages, last_token))
+
+    def pieces(self, messages: list[dict], last_token: int | None) -> list[tuple[str, bool]]:
+        """The rendered continuation as (text, is_content) pieces: the template's own text, and
+        each message's content where the template puts it."""
+        marked = [{**m, "content": _content_marker(i)} if isinstance(m.get("content"), str) else m
+                  for i, m in enumerate(messages)]
+        text = self._render(marked, last_token)
+        pieces: list[tuple[str, bool]] = []
+        for k, part in enumerate(_MARKER.split(text)):  # template text, then a message index, alternately
+            if k % 2 == 0:
+                pieces.append((part, False))
+            else:
+                pieces.append((messages[int(part)]["content"], True))
+        return [p for p in pieces if p[0]]
+
+    def _render(self, messages: list[dict], last_token: int | None) -> str:
         try:
             full = self.tokenizer.apply_chat_template(self.prefix + messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - jinja raises its own types (e.g. a role the template refuses)
@@ -75,7 +99,17 @@ class ObservationEncoder:
         return text
 
     def __call__(self, messages: list[dict], last_token: int | None) -> list[int]:
-        return list(self.tokenizer(self.text(messages, last_token), add_special_tokens=False)["input_ids"])
+        ids: list[int] = []
+        for piece, content in self.pieces(messages, last_token):
+            ids += self.tokenizer(piece, add_special_tokens=False, split_special_tokens=content)["input_ids"]
+        return ids
+
+
+def _content_marker(index: int) -> str:
+    return f"\u2063distflow-content-{index}\u2063"
+
+
+_MARKER = re.compile("\u2063distflow-content-(\\d+)\u2063")
 
 
 @dataclass
