@@ -33,6 +33,8 @@ def _decode(text: str, what: str) -> object:
         raise ToolCallError(f"{what} is not valid JSON: {e.msg} (line {e.lineno} column {e.colno})") from None
     except RecursionError:
         raise ToolCallError(f"{what} is nested too deeply") from None
+    except ValueError as e:  # an integer past Python's int-string conversion limit (4300 digits)
+        raise ToolCallError(f"{what} holds a number too long to read: {str(e).split(';')[0]}") from None
 
 
 def _call(body: str) -> ToolCall:

@@ -3,6 +3,8 @@ shape them into what the advantage estimator reads."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from distflow.algorithms import overlong_penalty, token_kl
@@ -12,6 +14,7 @@ from distflow.rewards.pool import RewardPool
 from distflow.sample import Sample
 from distflow.train.batch import TokenBatch
 
+log = logging.getLogger("distflow")
 REWARD_FAILURES = ("errors", "timeouts", "invalid")
 
 
@@ -23,7 +26,8 @@ def score_groups(pool: RewardPool, tokenizer, items: list[PromptItem], samples: 
     always carry the reference as "answer". A multi-turn episode's completion is the model's
     final turn (its answer), its ids are every generated token (no observation), and the fields
     add "transcript" (all turns and observations, as messages); the environment's step rewards
-    are added to what the task's reward gives.
+    are added to what the task's reward gives. A reward beyond float32's range (finite in
+    float64) counts as invalid and scores 0.0, as the pool's invalid rewards do.
     """
     texts = tokenizer.batch_decode([s.response_ids for s in samples if s.episode is None], skip_special_tokens=True)
     single = iter(texts)
@@ -40,7 +44,20 @@ def score_groups(pool: RewardPool, tokenizer, items: list[PromptItem], samples: 
     rewards, stats = pool.score(calls) if calls else ([], {})
     rewards = [r + (s.episode.env_reward if s.episode else 0.0) for r, s in zip(rewards, samples)]
     counts = {k: float(stats.get(k, 0)) for k in REWARD_FAILURES}
-    return torch.tensor(rewards, dtype=torch.float32).view(-1, group_size), counts
+    scores = torch.tensor(rewards, dtype=torch.float64).to(torch.float32)
+    overflow = ~torch.isfinite(scores)  # finite in float64 (1e300, or a sum past its range), not in float32
+    if overflow.any():
+        counts["invalid"] += float(overflow.sum())
+        if not _warned:
+            _warned.append(True)
+            log.warning("a reward of %r is beyond float32's range (its advantage would be inf or nan); scored 0.0 "
+                        "and counted as invalid (logged once, later ones only counted)",
+                        rewards[int(overflow.nonzero()[0])])
+        scores[overflow] = 0.0  # as the pool scores any invalid reward
+    return scores.view(-1, group_size), counts
+
+
+_warned: list[bool] = []  # the overflow warning is logged once per process
 
 
 def shape_rewards(rewards: torch.Tensor, tokens: TokenBatch, a: AlgorithmConfig, max_len: int,
