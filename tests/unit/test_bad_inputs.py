@@ -21,6 +21,7 @@ Datasets (distflow.data.prompts.load_prompts):
   answer missing/null/NaN/blank      row skipped, counted, one warning (never scored against "None")   here
   duplicate rows                     kept (every row is a prompt), one warning with the count          here
   hub dataset name while offline     ConfigError naming the dataset: needs network or a local file     here
+  a chat template refusing a role    ConfigError naming the role, the model and where the role came from  here
 Rewards (distflow.rewards.pool.RewardPool):
   a reward that raises               0.0, counted as reward/errors, logged once
                                                       test_reward_pool.py::test_raise_scores_zero_counts_and_logs_once
@@ -29,6 +30,7 @@ Rewards (distflow.rewards.pool.RewardPool):
                                                       ::test_timeout_is_per_call_not_per_batch; in a run:
                                                       distributed/test_trainer_loop.py
   a reward returning a string etc.   0.0, counted as reward/invalid       test_reward_pool.py::test_invalid_returns
+  a reward beyond float32 (1e300)    0.0, counted as reward/invalid       test_hostile_inputs.py
   a reward that kills its worker     0.0, counted as an error, worker replaced
                                                       test_reward_pool.py::test_crashed_workers_are_replaced
   a reward spec that does not import ConfigError before any worker starts
@@ -46,7 +48,7 @@ import pytest
 from distflow.config import ConfigError, TaskConfig
 from distflow.data import load_prompts
 from distflow.data import prompts as prompts_module
-from data_helpers import make_tokenizer, write_jsonl
+from data_helpers import CHAT_TEMPLATE, make_tokenizer, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -213,3 +215,27 @@ def test_hub_names_and_splits(tokenizer, monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match="is not a file"):
         load_prompts(TaskConfig(path="owner/folder", prompt_key="question"), tokenizer, 64)
     assert len(calls) == 4
+
+
+@pytest.mark.parametrize("refusing,role,overrides", [
+    # Gemma's template: no system turn
+    ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}",
+     "system", {"system_prompt": "be brief"}),
+    # a template that knows only user and assistant turns, given a chat-messages prompt with another role
+    ("{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
+     "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}{% endfor %}", "developer", {}),
+])
+def test_a_template_that_refuses_a_role_is_one_config_error(tmp_path, refusing, role, overrides):
+    tok = make_tokenizer()
+    tok.chat_template, tok.name_or_path = refusing + CHAT_TEMPLATE, "org/strict-model"
+    rows = [{"question": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "what is one"}]
+             if role == "developer" else "what is one", "label": 1}]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    if role == "system":
+        assert len(load_prompts(task(path), tok, 64)) == 1  # without a system turn it renders
+    with pytest.raises(ConfigError) as e:
+        load_prompts(task(path, **overrides), tok, 64)
+    line = str(e.value)
+    assert line.startswith(f"the chat template of org/strict-model refuses the '{role}' role (")
+    assert "\n" not in line and "it came from " in line
+    assert ("task.system_prompt" in line) == (role == "system")

@@ -80,7 +80,7 @@ def load_prompts(task: TaskConfig, tokenizer, max_prompt_tokens: int, split: str
         if env is not None:
             messages = env.reset(row, messages)
         prompt = json.dumps(messages)  # identity of the prompt, for the repeat count
-        ids = _as_id_list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        ids = _as_id_list(_render(tokenizer, messages, tokenize=True))
         if len(ids) > max_prompt_tokens:
             too_long += 1
             continue
@@ -89,7 +89,7 @@ def load_prompts(task: TaskConfig, tokenizer, max_prompt_tokens: int, split: str
             conflicting += first_answer[prompt] != answer
         else:
             first_answer[prompt] = answer
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = _render(tokenizer, messages, tokenize=False)
         items.append(PromptItem(ids, text, answer, row))
 
     if bad:
@@ -110,6 +110,34 @@ def load_prompts(task: TaskConfig, tokenizer, max_prompt_tokens: int, split: str
                           f"{no_answer} without an answer, "
                           f"{too_long} longer than rollout.max_prompt_tokens={max_prompt_tokens}")
     return items
+
+
+def _render(tokenizer, messages: list[dict], tokenize: bool):
+    """The chat template applied to a prompt; a template that refuses it (Gemma's refuses a system
+    turn, some refuse roles out of order) is a one-line ConfigError naming the role and the model."""
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize)
+    except Exception as e:  # noqa: BLE001 - jinja raises its own types (TemplateError from raise_exception)
+        model = getattr(tokenizer, "name_or_path", "") or "the model"
+        reason = " ".join(str(e).split())[:200] or type(e).__name__
+        roles = [m["role"] for m in messages]
+        # the role whose messages, left out, let the rest render
+        refused = next((r for r in dict.fromkeys(roles) if _renders(tokenizer, [m for m in messages if m["role"] != r])),
+                       None)
+        what = f"the {refused!r} role" if refused else f"these prompt messages (roles {roles})"
+        where = ("task.system_prompt, the dataset's messages or the environment (task.env)" if refused == "system"
+                 else "the dataset's messages or the environment (task.env)")
+        raise ConfigError(f"the chat template of {model} refuses {what} ({reason}); it came from {where}") from None
+
+
+def _renders(tokenizer, messages: list[dict]) -> bool:
+    if not messages:
+        return False
+    try:
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception:  # noqa: BLE001 - as in _render
+        return False
+    return True
 
 
 def _answer_text(answer) -> str | None:
