@@ -122,8 +122,8 @@ def _render(tokenizer, messages: list[dict], tokenize: bool):
         reason = " ".join(str(e).split())[:200] or type(e).__name__
         roles = [m["role"] for m in messages]
         # the role whose messages, left out, let the rest render
-        refused = next((r for r in dict.fromkeys(roles) if _renders(tokenizer, [m for m in messages if m["role"] != r])),
-                       None)
+        refused = next((r for r in dict.fromkeys(roles)
+                        if _renders(tokenizer, [m for m in messages if m["role"] != r])), None)
         what = f"the {refused!r} role" if refused else f"these prompt messages (roles {roles})"
         where = ("task.system_prompt, the dataset's messages or the environment (task.env)" if refused == "system"
                  else "the dataset's messages or the environment (task.env)")

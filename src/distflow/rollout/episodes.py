@@ -86,7 +86,8 @@ class ObservationEncoder:
 
     def _render(self, messages: list[dict], last_token: int | None) -> str:
         try:
-            full = self.tokenizer.apply_chat_template(self.prefix + messages, tokenize=False, add_generation_prompt=True)
+            full = self.tokenizer.apply_chat_template(self.prefix + messages, tokenize=False,
+                                                      add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - jinja raises its own types (e.g. a role the template refuses)
             roles = [m.get("role") for m in messages]
             raise ConfigError(f"the model's chat template cannot render the environment's messages (roles {roles}) "
