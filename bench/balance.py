@@ -63,7 +63,9 @@ def main() -> None:
     wd = C.work_dir(args, "balance")
     records, rows = [], []
     for model in C.models(args):
-        s = SETTINGS[model]
+        s = dict(SETTINGS[model])
+        if args.smoke:  # the skew is in the prompts: fewer of them and shorter completions keep it
+            s.update(prompts_per_rank=2, max_new_tokens=8)
         task = wd / f"skewed-{model}.jsonl"
         skewed_task(task, s["preamble"])
         runs = {False: [], True: []}

@@ -74,12 +74,14 @@ def main() -> None:
     from omegaconf import OmegaConf
 
     p = C.parser(__doc__.split("\n")[0])
-    p.add_argument("--nproc", type=int, default=2, help="ranks, each with its own engines (as make demo: 2)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="ranks, each with its own engines (default 2, as make demo; --smoke: 1)")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds per engine (default 6; --smoke: 1)")
     args = p.parse_args()
     if not args.models and not args.smoke:
         args.models = "smollm2_135m" if C.smollm2_available() else "tiny"
     rounds = args.rounds or (1 if args.smoke else 6)
+    args.nproc = args.nproc or (1 if args.smoke else 2)
     smoke = OmegaConf.load(C.ROOT / "recipes" / "experiment" / "smoke.yaml")
     shape = {"prompts_per_rank": int(smoke.data.prompts_per_rank), "group_size": int(smoke.algorithm.group_size),
              "max_new_tokens": int(smoke.rollout.max_new_tokens), "max_prompt_tokens": int(smoke.rollout.max_prompt_tokens),

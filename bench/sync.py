@@ -3,7 +3,8 @@ streamed into engine.load_weights) for the real vLLM engine on CPU and the HF en
 torch copy of a flat fp32 buffer of the same size on this machine. ratio = resync / copy (medians).
 
 Each configuration runs under `torchrun --standalone --nproc_per_node N` with the same start-up
-order as the trainer (process group, engine, FSDP2 policy). Also reported: `gather_s`, the time to
+order as the trainer (process group, engine, FSDP2 policy); `--smoke` builds the engines of one
+process count in one launch and times them one after the other, saving start-ups. Also reported: `gather_s`, the time to
 just materialise the stream (DTensor.full_tensor + dtype cast) without loading it into an engine.
 
 With `--tp 1,2` the 2-process vLLM runs also use one tensor-parallel engine over both ranks
@@ -48,8 +49,9 @@ def worker(a) -> None:
     from distflow.rollout.weight_sync import full_parameters
     from distflow.train.policy import Policy
 
+    names = a.engine.split(",")  # several (--smoke): one after the other, on one policy
     cfg = DistflowConfig()
-    cfg.model.path, cfg.rollout.engine, cfg.rollout.tensor_parallel_size = a.model, a.engine, a.tp
+    cfg.model.path, cfg.rollout.engine, cfg.rollout.tensor_parallel_size = a.model, names[0], a.tp
     cfg.model.dtype = a.dtype
     if a.lora_rank:
         cfg.model.lora = LoraConfig(enabled=True, rank=a.lora_rank, alpha=2.0 * a.lora_rank, resync="adapter")
@@ -59,7 +61,10 @@ def worker(a) -> None:
     path = resolve_model_path(a.model)
     layout = ParallelLayout.from_config(cfg.model, info, a.tp)
     # trainer's order: engine, then policy
-    engine = build_engine(path, cfg.model, cfg.rollout, info.device, 0, layout.engine_group)
+    engines = {}
+    for name in names:
+        cfg.rollout.engine = name
+        engines[name] = build_engine(path, cfg.model, cfg.rollout, info.device, 0, layout.engine_group)
     policy = Policy(path, cfg.model, cfg.optim, layout)
     dtype, bucket = getattr(torch, cfg.model.dtype), cfg.rollout.sync_bucket_mib << 20
 
@@ -75,8 +80,9 @@ def worker(a) -> None:
         return out
 
     if a.lora_rank:
-        return lora_worker(a, info, engine, policy, dtype, bucket, timed)
-    sync_s = timed(lambda: engine.load_weights(full_parameters(policy.model, dtype, bucket)))
+        return lora_worker(a, info, engines[names[0]], policy, dtype, bucket, timed)
+    sync_s = {name: timed(lambda: e.load_weights(full_parameters(policy.model, dtype, bucket)))
+              for name, e in engines.items()}
     gather_s = timed(lambda: [None for _ in full_parameters(policy.model, dtype, bucket)])
     numel = sum(p.numel() for p in policy.model.parameters())  # unique (a tied head once), full sizes
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
@@ -84,13 +90,15 @@ def worker(a) -> None:
     copy_s = timed(lambda: dst.copy_(src))
     if info.rank == 0:
         with open(a.out, "w") as f:
-            json.dump({"sync_s": sync_s, "gather_s": gather_s, "copy_s": copy_s, "numel": numel, "bytes": nbytes,
-                       "world_size": info.world_size, "tensor_parallel_size": a.tp, "torch_threads": torch.get_num_threads(),
-                       "bucket_mib": cfg.rollout.sync_bucket_mib}, f)
+            json.dump({name: {"sync_s": sync_s[name], "gather_s": gather_s, "copy_s": copy_s, "numel": numel,
+                              "bytes": nbytes, "world_size": info.world_size, "tensor_parallel_size": a.tp,
+                              "torch_threads": torch.get_num_threads(), "bucket_mib": cfg.rollout.sync_bucket_mib}
+                       for name in names}, f)
     del policy
     if dist.is_initialized():
         barrier()
-    engine.shutdown()
+    for e in engines.values():
+        e.shutdown()
     shutdown()
 
 
@@ -158,7 +166,7 @@ def main() -> None:
     p = C.parser(__doc__.split("\n")[0])
     p.add_argument("--engines", default="vllm,hf")
     p.add_argument("--nprocs", default=None, help="comma list (default 1,2; --smoke: 1)")
-    p.add_argument("--iters", type=int, default=None, help="timed resyncs per configuration (default 10; --smoke: 2)")
+    p.add_argument("--iters", type=int, default=None, help="timed resyncs per configuration (default 10; --smoke: 1)")
     p.add_argument("--tp", default="1", help="comma list of rollout.tensor_parallel_size for vLLM (those dividing nproc)")
     p.add_argument("--dtype", default="auto", help="model.dtype of the engine and the policy (auto: as the trainer)")
     p.add_argument("--lora-ranks", default=None, help="comma list of LoRA ranks for the vLLM runs (default none; --smoke: 8)")
@@ -166,19 +174,25 @@ def main() -> None:
     lora_ranks = [int(r) for r in (args.lora_ranks or ("8" if args.smoke else "")).split(",") if r]
     tps = [int(k) for k in args.tp.split(",")]
     nprocs = [int(n) for n in (args.nprocs or ("1" if args.smoke else "1,2")).split(",")]
-    iters = args.iters or (2 if args.smoke else 10)
+    iters = args.iters or (1 if args.smoke else 10)
     wd = C.work_dir(args, "sync")
     records, rows = [], []
     for model in C.models(args):
-        for engine in args.engines.split(","):
-            for nproc, k in [(n, k) for n in nprocs for k in (tps if engine == "vllm" else [1]) if n % k == 0]:
-                tag = f"{model}-{engine}-n{nproc}" + (f"-tp{k}" if k > 1 else "")
-                out = wd / f"{tag}.json"
-                C.fresh(out)
-                print(f"[sync] {model} engine={engine} nproc={nproc} tensor_parallel_size={k}", flush=True)
-                C.torchrun(__file__, ["--worker", "--model", model, "--engine", engine, "--iters", str(iters),
-                                      "--tp", str(k), "--dtype", args.dtype, "--out", str(out)], nproc, wd / f"{tag}.log")
-                r = json.loads(out.read_text())
+        configs = [(e, n, k) for e in args.engines.split(",") for n in nprocs
+                   for k in (tps if e == "vllm" else [1]) if n % k == 0]
+        launches = {}  # one launch per configuration; --smoke: the engines of one (nproc, k) share one
+        for e, n, k in configs:
+            launches.setdefault((e, n, k) if not args.smoke else (n, k), (n, k, []))[2].append(e)
+        for nproc, k, names in launches.values():
+            tag = f"{model}-{'-'.join(names)}-n{nproc}" + (f"-tp{k}" if k > 1 else "")
+            out = wd / f"{tag}.json"
+            C.fresh(out)
+            print(f"[sync] {model} engine={','.join(names)} nproc={nproc} tensor_parallel_size={k}", flush=True)
+            C.torchrun(__file__, ["--worker", "--model", model, "--engine", ",".join(names), "--iters", str(iters),
+                                  "--tp", str(k), "--dtype", args.dtype, "--out", str(out)], nproc, wd / f"{tag}.log")
+            results = json.loads(out.read_text())
+            for engine in names:
+                r = results[engine]
                 sync, gather, copy = (statistics.median(r[k]) for k in ("sync_s", "gather_s", "copy_s"))
                 ratios = [s / copy for s in r["sync_s"]]
                 rec = {"model": model, "engine": engine, "processes": nproc, "tensor_parallel_size": k,

@@ -3,7 +3,8 @@ memory levers: chunked logprobs (`model.logprob_chunk_tokens`) and activation ch
 (`model.activation_checkpointing`).
 
 Each variant runs in a fresh 1-rank process (torchrun), so allocator caches and high-water marks
-never carry over: it builds the FSDP2 policy, then measures one `backward_policy_loss` over a
+never carry over (`--smoke`, which only checks that the script runs, measures all four in one
+process, saving three start-ups): it builds the FSDP2 policy, then measures one `backward_policy_loss` over a
 fixed batch that is a single micro-batch (entropy bonus on, so entropy is computed too). On CPU
 the peak is the RSS high-water mark (reset with /proc/self/clear_refs just before the pass); on
 CUDA it is torch's peak allocated bytes. `delta` is the peak minus the memory held just before
@@ -75,10 +76,19 @@ def micro_batch_peak(policy, batch, cfg) -> dict:
 
 
 def worker(a) -> None:
+    from distflow.distributed import init_distributed, shutdown
+
+    info = init_distributed("gloo", "cpu")
+    results = {variant: measure_variant(a, variant, info) for variant in a.variant.split(",")}
+    with open(a.out, "w") as f:
+        json.dump(results, f)
+    shutdown()
+
+
+def measure_variant(a, variant: str, info) -> dict:
     import torch
 
     from distflow.config import DistflowConfig
-    from distflow.distributed import init_distributed, shutdown
     from distflow.distributed.layout import ParallelLayout
     from distflow.models.tiny import resolve_model_path
     from distflow.sample import Sample
@@ -87,10 +97,9 @@ def worker(a) -> None:
 
     cfg = DistflowConfig()
     cfg.model.shard_ranks = -1
-    cfg.model.logprob_chunk_tokens, cfg.model.activation_checkpointing = VARIANTS[a.variant]
+    cfg.model.logprob_chunk_tokens, cfg.model.activation_checkpointing = VARIANTS[variant]
     cfg.optim.micro_batch_size = a.seqs
     cfg.algorithm.entropy_coef = 0.01
-    info = init_distributed("gloo", "cpu")
     policy = Policy(resolve_model_path(a.model), cfg.model, cfg.optim, ParallelLayout.from_config(cfg.model, info))
     g = torch.Generator().manual_seed(0)
     vocab = policy.model.config.vocab_size
@@ -100,9 +109,7 @@ def worker(a) -> None:
     batch = UpdateBatch.from_samples(samples, 0, info.device)
     batch = batch.with_(advantages=torch.randn(a.seqs, generator=g)[:, None] * batch.tokens.resp_mask)
     result = micro_batch_peak(policy, batch, cfg)
-    with open(a.out, "w") as f:
-        json.dump({**result, "vocab": vocab, "params": sum(p.numel() for p in policy.model.parameters())}, f)
-    shutdown()
+    return {**result, "vocab": vocab, "params": sum(p.numel() for p in policy.model.parameters())}
 
 
 def main() -> None:
@@ -119,14 +126,16 @@ def main() -> None:
     for model in models:
         for seqs, prompt, response in shapes:
             rec = {"model": model, "seqs": seqs, "prompt_tokens": prompt, "response_tokens": response, "variants": {}}
-            for variant in VARIANTS:
-                out = wd / f"{model}-{seqs}x{prompt}x{response}-{variant}.json"
+            # one process per variant; --smoke: all of them in one (the numbers then carry over)
+            for group in ([list(VARIANTS)] if args.smoke else [[v] for v in VARIANTS]):
+                tag = group[0] if len(group) == 1 else "all"
+                out = wd / f"{model}-{seqs}x{prompt}x{response}-{tag}.json"
                 C.fresh(out)
-                print(f"[update_memory] {model} {seqs}x{prompt}x{response} {variant}", flush=True)
-                C.torchrun(__file__, ["--worker", "--model", model, "--variant", variant, "--seqs", str(seqs),
+                print(f"[update_memory] {model} {seqs}x{prompt}x{response} {', '.join(group)}", flush=True)
+                C.torchrun(__file__, ["--worker", "--model", model, "--variant", ",".join(group), "--seqs", str(seqs),
                                       "--prompt-tokens", str(prompt), "--response-tokens", str(response),
                                       "--out", str(out)], 1, out.with_suffix(".log"), extra_env=MALLOC_ENV)
-                rec["variants"][variant] = json.loads(out.read_text())
+                rec["variants"].update(json.loads(out.read_text()))
             records.append(rec)
     print(f"\n{'model':14} {'seqs x prompt x response':>25} " + " ".join(f"{v + ' MiB':>16}" for v in VARIANTS))
     for r in records:
@@ -143,8 +152,9 @@ if __name__ == "__main__":
 
         wp = argparse.ArgumentParser()
         wp.add_argument("--worker", action="store_true")
-        for name in ("--model", "--variant", "--out"):
+        for name in ("--model", "--out"):
             wp.add_argument(name, required=True)
+        wp.add_argument("--variant", required=True, help="comma list, measured one after the other")
         for name in ("--seqs", "--prompt-tokens", "--response-tokens"):
             wp.add_argument(name, type=int, required=True)
         worker(wp.parse_args())
