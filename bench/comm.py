@@ -79,7 +79,7 @@ def flat(values: list[float]) -> bool:
 def main() -> None:
     p = C.parser(__doc__.split("\n")[0])
     p.add_argument("--world-sizes", default=None, help="comma list (default 1,2,4 plus 8 if memory allows; --smoke: 1,2)")
-    p.add_argument("--steps", type=int, default=None, help="training steps per run (default 3; --smoke: 2)")
+    p.add_argument("--steps", type=int, default=None, help="training steps per run (default 3; --smoke: 1)")
     p.add_argument("--tp", default=None, help="comma list of rollout.tensor_parallel_size (default 1,2; --smoke: 1)")
     args = p.parse_args()
     tps = [int(k) for k in (args.tp or ("1" if args.smoke else "1,2")).split(",")]
@@ -93,7 +93,7 @@ def main() -> None:
             sizes.append(8)
         else:
             print(f"[comm] skipping world size 8: {mem_available_gib():.1f} GiB available < {8 * GIB_PER_RANK} GiB")
-    steps = args.steps or (2 if args.smoke else 3)
+    steps = args.steps or (1 if args.smoke else 3)
     wd = C.work_dir(args, "comm")
     results = {}
     model = C.models(args)[0]  # the smoke experiment's model (tiny); bytes do not depend on the model
