@@ -31,7 +31,7 @@ import torch
 
 from config_helpers import fp32_config
 from dist_helpers import gathered, run_distributed
-from engine_helpers import max_diff, perturb_and_resync, policy_logprobs
+from engine_helpers import fast_exit_teardown, inspect_models_in_process, max_diff, perturb_and_resync, policy_logprobs
 from grad_helpers import update_batch
 from launch_helpers import ROOT
 from model_families import FAMILIES, MOE_FAMILIES, build_family
@@ -76,6 +76,7 @@ class Engines:
         return engine
 
     def close(self):
+        fast_exit_teardown()  # some 30 engines shut down next, at the worker's exit
         vllm = [e for e in self.alive if type(e).__name__ != "HFEngine"]
         if vllm:
             vllm[-1].shutdown()
@@ -197,6 +198,7 @@ def _family(rank: int, model_type: str, model_dir: str, tmp: Path, engines: Engi
 
 def _worker(rank, world, root):
     root = Path(root)
+    inspect_models_in_process()
     engines, results = Engines(), {}
     for model_type in FAMILIES:
         results[model_type] = _family(rank, model_type, build_family(model_type, str(root / "models")), root, engines)

@@ -9,6 +9,25 @@ from distflow.sample import Sample
 from distflow.train.batch import TokenBatch
 
 
+def inspect_models_in_process() -> None:
+    """vLLM inspects a model class it has no cached record of (~/.cache/vllm/modelinfos, empty on a
+    fresh machine) in a new Python process that imports vLLM again: 10-20 s per architecture on
+    two busy cores. It does so to keep CUDA out of the parent; a CPU test process has none, so
+    inspect here."""
+    from vllm.model_executor.models import registry
+
+    registry._run_in_subprocess = lambda fn: fn()
+
+
+def fast_exit_teardown() -> None:
+    """For a test process about to exit with vLLM engines alive: each engine's shutdown (the last
+    one's, and the rest's finalizers at exit) collects the whole heap twice, ~1 s each once a few
+    dozen engines' objects are unfrozen; memory freed just before the process ends is worth nothing."""
+    import gc
+
+    gc.collect = lambda generation=2: 0
+
+
 def policy_logprobs(policy, seqs):
     batch = TokenBatch.from_samples([Sample(s[:1], s[1:], [], False) for s in seqs], 0, torch.device("cpu"))
     with torch.no_grad():
