@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from distflow.config import ConfigError
 from distflow.distributed import all_reduce, rank_and_world
-from distflow.run.checkpoint_reader import load_checkpoint
+from distflow.run.checkpoint_reader import is_count, is_plain_name, load_checkpoint
 from distflow.run.output import free_space
 from distflow.run.preemption import RunAborted
 
@@ -154,8 +154,12 @@ def is_complete(path: Path) -> bool:
     """A well-formed marker, and every file it lists at the size it lists (a truncated or missing
     shard is as bad as a missing marker)."""
     marker = _marker(path)
-    return marker is not None and all((path / name).is_file() and (path / name).stat().st_size == size
-                                      for name, size in marker["files"].items())
+    return marker is not None and _files_present(path, marker)
+
+
+def _files_present(path: Path, marker: dict) -> bool:
+    return all((path / name).is_file() and (path / name).stat().st_size == size
+               for name, size in marker["files"].items())
 
 
 def _marker(path: Path) -> dict | None:
@@ -166,23 +170,17 @@ def _marker(path: Path) -> dict | None:
         info = json.loads((path / MARKER).read_text())
     except (OSError, ValueError, RecursionError):  # ValueError: not JSON, not UTF-8, a 5000-digit number
         return None
-    if not isinstance(info, dict) or not _count(info.get("step")) or not _count(info.get("format", 1)):
+    if not isinstance(info, dict) or not is_count(info.get("step")) or not is_count(info.get("format", 1)):
         return None
     files = info.get("files")
     if not isinstance(files, dict) or not files or not all(
-            isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
-            and _count(size) for name, size in files.items()):
+            is_plain_name(name) and is_count(size) for name, size in files.items()):
         return None
     if info.get("format", 1) == FORMAT and not (
-            _count(info.get("world_size")) and info["world_size"] >= 1 and isinstance(info.get("config"), dict)
+            is_count(info.get("world_size")) and info["world_size"] >= 1 and isinstance(info.get("config"), dict)
             and isinstance(info.get("model_path"), str) and isinstance(info.get("state"), dict)):
         return None
     return info
-
-
-def _count(value: object) -> bool:
-    """An int >= 0 (JSON's true/false are not counts)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class CheckpointSaveError(RunAborted):
@@ -318,7 +316,7 @@ class Checkpointer:
 def read_marker(path: Path) -> dict:
     """The marker of a complete checkpoint of this format; ConfigError otherwise."""
     marker = _marker(path)
-    if marker is None or not is_complete(path):
+    if marker is None or not _files_present(path, marker):
         raise ConfigError(f"checkpoint {path} is incomplete (no valid {MARKER} marker, or a missing or truncated file)")
     if marker.get("format", 1) != FORMAT:
         raise ConfigError(f"checkpoint {path} has format {marker.get('format', 1)}, this distflow reads format "

@@ -83,14 +83,20 @@ def read_metadata(folder: Path) -> Metadata:
         raise ConfigError(f"checkpoint file {file} is not DCP metadata (it holds a {type(metadata).__name__})")
     for info in metadata.storage_data.values():
         name = getattr(info, "relative_path", None)
-        if not (isinstance(info, _StorageInfo) and isinstance(name, str) and name not in ("", ".", "..")
-                and "/" not in name and "\\" not in name and _is_offset(info.offset) and _is_offset(info.length)):
+        if not (isinstance(info, _StorageInfo) and is_plain_name(name) and is_count(info.offset)
+                and is_count(info.length)):
             raise ConfigError(f"checkpoint file {file} points outside its folder or at no file ({info!r}); refused")
     return metadata
 
 
-def _is_offset(value: object) -> bool:
+def is_count(value: object) -> bool:
+    """An int >= 0 (JSON's true/false and pickled bools are not counts)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def is_plain_name(name: object) -> bool:
+    """A file name inside a checkpoint folder: no path separator, not empty, not . or .."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
 
 
 class RestrictedReader(FileSystemReader):
