@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import json
 import logging
-import tempfile
 import math
 import numbers
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
