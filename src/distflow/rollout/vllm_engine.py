@@ -18,7 +18,9 @@ reload. On CPU vLLM has no sleep mode and both calls do nothing.
 LoRA (`model.lora.resync=adapter`): the engine keeps the base weights it loaded from model.path
 and serves one adapter, replaced after every update by `load_adapter` from a folder in RAM
 (or on disk when RAM has no room: distflow.rollout.adapter_folder); every later request names it. Such an engine
-does not sleep: level 2 would free the base weights, which no resync sends again.
+does not sleep: level 2 would free the base weights, which no resync sends again. Only the
+adapter's target layers get LoRA slots (lora_targets); on CPU a mixture-of-experts model cannot
+be served with LoRA on (check_adapter_resync).
 """
 
 from __future__ import annotations
@@ -85,6 +87,35 @@ def check_native_model(config) -> None:
                           "trains in the same process; use rollout=hf for this model")
 
 
+def lora_targets(hf_config, model: ModelConfig) -> list[str]:
+    """The layers the engine gives LoRA slots: the leaf names of the policy's adapter targets (the
+    default ones found on a meta skeleton, as the policy finds them). Unrestricted, vLLM adapts
+    every layer it can, the embedding and the LM head included, which the default targets leave
+    out: the head's LoRA layer costs a vocabulary-wide product per token, and in vLLM 0.32 it
+    maps adapters per request, not per prompt token, so prompt logprobs of a batch failed
+    (vllm-project/vllm#29955)."""
+    from transformers import AutoModelForCausalLM
+
+    from distflow.train.lora import default_targets
+    from distflow.train.model_init import skeleton
+    from distflow.train.policy import decoder_blocks
+
+    targets = model.lora.target_modules or default_targets(
+        decoder_blocks(skeleton(AutoModelForCausalLM, hf_config, model.trust_remote_code)))
+    return sorted({t.rsplit(".", 1)[-1] for t in targets})
+
+
+def check_adapter_resync(config, on_cpu: bool) -> None:
+    """With LoRA on, vLLM runs a mixture-of-experts layer through its Triton experts kernel
+    whether or not the adapter targets the experts, and on CPU Triton has no compiler: every
+    forward would fail. Refused before anything loads."""
+    from distflow.train.router import experts_of
+
+    if on_cpu and experts_of(config) is not None:
+        raise ConfigError(f"model.lora.resync=adapter: vLLM on CPU cannot serve a LoRA adapter on {config.model_type} "
+                          "(its mixture-of-experts layers need Triton with LoRA on); use model.lora.resync=merged")
+
+
 def _repack_tied_lm_head(worker) -> None:
     """On CPU vLLM pre-packs linear weights; a head tied to the embedding must be re-packed
     after the embedding changed, or generation keeps using the old head."""
@@ -139,11 +170,15 @@ class VLLMEngine:
             trust_remote_code=model.trust_remote_code,
             use_tqdm_on_load=False,
         )
-        self.adapter_folder, self.lora_request = None, None
+        self.adapter_folder, self.lora_request, self.head_adapted = None, None, False
         if model.lora.enabled and model.lora.resync == "adapter":
+            check_adapter_resync(hf_config, on_cpu)
             # vLLM's ranks: 1, 8, 16, 32, ...; the smallest that holds the adapter
             ranks = (1, 8, 16, 32, 64, 128, 256, 320, MAX_ENGINE_LORA_RANK)
-            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=next(r for r in ranks if r >= model.lora.rank))
+            targets = lora_targets(hf_config, model)
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=next(r for r in ranks if r >= model.lora.rank),
+                          lora_target_modules=targets)
+            self.head_adapted = "lm_head" in targets
             self.adapter_folder = AdapterFolder(torch_dtype(model.dtype, device))
         kwargs.update(memory_kwargs(rollout, on_cpu))
         self.llm = LLM(**kwargs)
@@ -195,10 +230,8 @@ class VLLMEngine:
             return []
         # prompt_logprobs is computed from raw logits (temperature does not apply to prompts).
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
-        # With LoRA on, one sequence per call: vLLM 0.32's LoRA logits layer (Llama-family models)
-        # maps adapters per request, not per prompt token, and fails on a batch of prompts
-        # (vllm-project/vllm#29955), with or without an adapter in the request.
-        batches = [[s] for s in seqs] if self.adapter_folder is not None else [seqs]
+        # an adapted LM head takes one prompt per call (lora_targets says why)
+        batches = [[s] for s in seqs] if self.head_adapted else [seqs]
         outs = [o for batch in batches for o in self.llm.generate(
             [TokensPrompt(prompt_token_ids=s) for s in batch], params, use_tqdm=False, lora_request=self.lora_request)]
         return [[d[t].logprob for d, t in zip(o.prompt_logprobs[1:], s[1:])] for o, s in zip(outs, seqs)]
