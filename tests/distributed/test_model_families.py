@@ -11,7 +11,9 @@ engines (about a second each), not a launch. Per family:
   would serve the family through its Transformers backend (refused with one line);
 - a vLLM engine split over both ranks (tensor_parallel_size=2) where the heads allow it;
 - the chunked logprob head equal to the plain one;
-- LoRA: the default targets adapt, and a fresh adapter computes the base;
+- LoRA: the default targets adapt, and a fresh adapter computes the base; with vLLM, the adapter
+  resync (model.lora.resync=adapter): an engine serving the base loads perturbed adapters and
+  then computes the LoRA policy's logprobs (at most 1e-5), or is refused with one line;
 - export: the folder written from the live policy loads in transformers and in the engine with
   the policy's logprobs;
 - a DCP checkpoint of the policy and its optimizer restores the same logprobs in a new policy.
@@ -31,7 +33,8 @@ import torch
 
 from config_helpers import fp32_config
 from dist_helpers import gathered, run_distributed
-from engine_helpers import fast_exit_teardown, inspect_models_in_process, max_diff, perturb_and_resync, policy_logprobs
+from engine_helpers import (fast_exit_teardown, inspect_models_in_process, max_diff, perturb_adapters_and_load,
+                            perturb_and_resync, policy_logprobs)
 from grad_helpers import update_batch
 from launch_helpers import ROOT
 from model_families import FAMILIES, MOE_FAMILIES, build_family
@@ -77,6 +80,9 @@ class Engines:
 
     def close(self):
         fast_exit_teardown()  # some 30 engines shut down next, at the worker's exit
+        for engine in self.alive:  # the adapter engines' folders in /dev/shm outlive the process otherwise
+            if getattr(engine, "adapter_folder", None) is not None:
+                engine.adapter_folder.remove()
         vllm = [e for e in self.alive if type(e).__name__ != "HFEngine"]
         if vllm:
             vllm[-1].shutdown()
@@ -181,6 +187,16 @@ def _family(rank: int, model_type: str, model_dir: str, tmp: Path, engines: Engi
     out["lora_targets"] = sorted(lora.adapter_config.target_modules)
     out["lora_fresh"] = max(float((a - b).abs().max())
                             for a, b in zip(policy_logprobs(lora, seqs), policy_logprobs(base, seqs)))
+    # the adapter resync: an engine serving the base loads the perturbed adapters (B != 0), or one
+    # line saying why it cannot
+    lora_cfg.model.lora.resync = "adapter"
+    if engine_name == "vllm":
+        try:
+            lora_engine = engines.build(model_dir, lora_cfg)
+        except ConfigError as e:
+            out["lora_adapter_refused"] = str(e)
+        else:
+            out["lora_adapter"] = perturb_adapters_and_load(lora_engine, lora, seqs, seed=400 + rank)
     # bfloat16 engine and policy: within the probe's limit
     bf16_engine = engines.build(model_dir, _config("bfloat16", engine_name))
     bf16_policy, _ = _policy(model_dir, _config("bfloat16"))
@@ -232,6 +248,11 @@ def test_family_trains_against_its_engine(matrix, family):
     assert _worst(matrix, family, "export_hf") <= FP32 and _worst(matrix, family, "export_engine") <= FP32
     assert _worst(matrix, family, "resume") == 0.0
     assert _worst(matrix, family, "lora_fresh") == 0.0 and r0["lora_targets"]
+    if r0["engine"] == "vllm" and family not in MOE_FAMILIES:  # fresh adapter = base, then the adapter resync
+        assert _worst(matrix, family, "lora_adapter", 0) <= FP32 and _worst(matrix, family, "lora_adapter", 2) <= FP32
+        assert min(r[family]["lora_adapter"][1] for r in matrix) > 1e-2
+    elif r0["engine"] == "vllm":  # refused before the engine loaded: its experts need Triton on CPU
+        assert "lora_adapter" not in r0 and r0["lora_adapter_refused"].endswith("use model.lora.resync=merged"), r0
     if "tp2" in r0:
         assert _worst(matrix, family, "tp2", 2) <= FP32 and min(r[family]["tp2"][1] for r in matrix) > 1e-2
     if family in MOE_FAMILIES:  # two ranks, 4 experts: each holds 2 whole experts
@@ -249,8 +270,8 @@ def test_family_trains_against_its_engine(matrix, family):
 def table(matrix) -> str:
     """The markdown matrix of what was verified, family by family."""
     rows = ["| family (`model_type`) | architecture | head | engine | fp32 probe | bf16 probe | vLLM TP=2 | "
-            "chunked head | LoRA default targets | export | resume |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "chunked head | LoRA default targets | LoRA adapter resync | export | resume |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for family, (arch, _) in FAMILIES.items():
         r = matrix[0][family]
         ok = lambda good: "✓" if good else "✗"  # noqa: E731
@@ -258,10 +279,15 @@ def table(matrix) -> str:
         bf16 = ok(_worst(matrix, family, "bf16", 2) <= PROBE_LIMIT["bfloat16"]) + f" ≤{PROBE_LIMIT['bfloat16']:g}"
         tp = (ok(_worst(matrix, family, "tp2", 2) <= FP32) + " ≤1e-5") if "tp2" in r else "— " + r["tp2_skipped"]
         engine = "vLLM" if r["engine"] == "vllm" else "HF (vLLM refused: Transformers backend)"
+        if "lora_adapter" in r:
+            adapter = ok(max(_worst(matrix, family, "lora_adapter", i) for i in (0, 2)) <= FP32) + " ≤1e-5"
+        else:
+            adapter = "— " + ("refused on CPU (vLLM's MoE LoRA kernel is Triton): resync=merged"
+                              if "lora_adapter_refused" in r else "HF engine (resync=adapter needs vLLM)")
         moe = " (MoE)" if family in MOE_FAMILIES else ""
         rows.append(f"| `{family}`{moe} | {arch} | {'tied' if r['tied'] else 'untied'} | {engine} | {fp32} | {bf16} | "
                     f"{tp} | {ok(_worst(matrix, family, 'chunked_vs_plain') <= 1e-6)} | "
-                    f"{ok(_worst(matrix, family, 'lora_fresh') == 0.0)} {', '.join(r['lora_targets'])} | "
+                    f"{ok(_worst(matrix, family, 'lora_fresh') == 0.0)} {', '.join(r['lora_targets'])} | {adapter} | "
                     f"{ok(_worst(matrix, family, 'export_engine') <= FP32)} | "
                     f"{ok(_worst(matrix, family, 'resume') == 0.0)} |")
     return "\n".join(rows)

@@ -58,3 +58,23 @@ def perturb_and_resync(engine, policy, seqs, seed: int) -> tuple[float, float, f
     engine.load_weights(full_parameters(policy.model, torch.float32, bucket_bytes=1 << 16))
     after = max_diff(engine.prompt_logprobs(seqs), policy_logprobs(policy, seqs))
     return before, stale, after
+
+
+def perturb_adapters_and_load(engine, policy, seqs, seed: int) -> tuple[float, float, float]:
+    """The adapter resync's counterpart of perturb_and_resync, for a LoRA policy and an engine built
+    for model.lora.resync=adapter: max |engine - policy| logprob with the fresh adapter (B = 0, the
+    engine serving the base it loaded), after a perturbation of every adapter shard (B != 0), and
+    after the engine loaded the adapter."""
+    from distflow.train.lora import adapter_tensors, is_adapter_key
+
+    fresh = max_diff(engine.prompt_logprobs(seqs), policy_logprobs(policy, seqs))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        for name, p in policy.model.named_parameters():
+            if is_adapter_key(name):
+                local = p.to_local()
+                local.add_(torch.randn(local.shape, generator=g) * 0.05)
+    stale = max_diff(engine.prompt_logprobs(seqs), policy_logprobs(policy, seqs))
+    engine.load_adapter(adapter_tensors(policy.model), policy.adapter_config)
+    after = max_diff(engine.prompt_logprobs(seqs), policy_logprobs(policy, seqs))
+    return fresh, stale, after
