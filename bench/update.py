@@ -50,7 +50,7 @@ def worker(a) -> None:
     from distflow.sample import Sample
     from distflow.train.batch import UpdateBatch
     from distflow.train.policy import Policy
-    from distflow.train.update import backward_policy_loss
+    from distflow.train.update import Updater
 
     cfg = DistflowConfig()
     cfg.model.shard_ranks = C.recipe_shard_ranks(a.model)
@@ -87,7 +87,7 @@ def worker(a) -> None:
             model.all_reduce_gradients = sync if variant == "fsdp" else (lambda enabled: sync(True))
         barrier()
         t0 = time.perf_counter()
-        sums = backward_policy_loss(model, batch, rows, cfg, pad_id=0)
+        sums = Updater(cfg, 0).backward_policy(model, batch, rows)
         t1 = time.perf_counter()
         model.step(sums.loss)
         t2 = time.perf_counter()

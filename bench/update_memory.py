@@ -63,11 +63,11 @@ def peak_mib() -> float:
 def micro_batch_peak(policy, batch, cfg) -> dict:
     """{"before_mib", "peak_mib", "delta_mib", "seconds"} of one backward_policy_loss over all rows of `batch`
     (an UpdateBatch; make optim.micro_batch_size at least its length for a single micro-batch)."""
-    from distflow.train.update import backward_policy_loss
+    from distflow.train.update import Updater
 
     before = reset_peak()
     t0 = time.perf_counter()
-    backward_policy_loss(policy, batch, list(range(len(batch))), cfg, pad_id=0)
+    Updater(cfg, 0).backward_policy(policy, batch, list(range(len(batch))))
     seconds = time.perf_counter() - t0
     peak = peak_mib()
     policy.optimizer.zero_grad(set_to_none=True)

@@ -53,12 +53,12 @@ from distflow.run.report import StragglerWatch, run_summary, step_report, sync_p
 from distflow.run.resume import agree_on_plan
 from distflow.run.rundir import RunDir
 from distflow.sample import Sample
-from distflow.train.batch import CURRENT_POLICY, OldLogprobs, TokenBatch, UpdateBatch
+from distflow.train.batch import CURRENT_POLICY, OldLogprobs, UpdateBatch
 from distflow.train.critic import Critic
 from distflow.train.lora import adapter_tensors
 from distflow.train.memory_budget import check_memory_budget
 from distflow.train.policy import Policy, check_model_options
-from distflow.train.update import UpdateResult, forward_rows, optimize, response_logprobs
+from distflow.train.update import StepPlan, Updater, UpdateResult
 
 log = logging.getLogger("distflow")
 
@@ -99,6 +99,7 @@ class Trainer:
         self.model_path = on_local_rank0_first(lambda: resolve_model_path(cfg.model.path), self.dist.local_rank)
         self.tokenizer = tok = AutoTokenizer.from_pretrained(self.model_path)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.updater = Updater(cfg, self.pad_id)  # plans each batch's passes once, runs them
         # a bad reward or task.env stops here, before any model loads; workers start while the models load
         self.rewards = RewardPool.from_task(cfg.task)
         env = self.rewards.env  # the task's environment (None: single turn); its reset builds the prompts
@@ -173,13 +174,14 @@ class Trainer:
         batch = UpdateBatch.from_samples(rollouts.samples, self.pad_id, self.layout.device,
                                          self.cfg.algorithm.overlong_filter)
         with timed(timing, "logprob"):
-            logprobs = self.compute_logprobs(batch.tokens)
+            plan = self.updater.plan(batch.tokens)
+            logprobs = self.compute_logprobs(plan)
         with timed(timing, "reward"):  # what scoring did not hide behind the logprob pass
             rewards = pending.result()
         batch = self.compute_advantages(batch, rewards, logprobs)
         batch = inject_fault(self.cfg.run.fault_inject, self.dist.rank, self.step, batch)
         with timed(timing, "update"):
-            result = self.update(batch)
+            result = self.update(batch, plan)
         self.nonfinite_streak = self.nonfinite_streak + 1 if result.nonfinite_skipped else 0
         if result.nonfinite_skipped:
             log.warning(f"step {self.step}: a loss or gradient norm was not finite; the update was skipped")
@@ -242,13 +244,13 @@ class Trainer:
         rollouts.stats.add_failures(failures)
         return rewards
 
-    def compute_logprobs(self, tokens: TokenBatch) -> Logprobs:
-        a, o = self.cfg.algorithm, self.cfg.optim
+    def compute_logprobs(self, plan: StepPlan) -> Logprobs:
+        a, o, u = self.cfg.algorithm, self.cfg.optim, self.updater
         # With one optimizer step per rollout the policy that sampled is the one being trained.
         needs_old = a.ppo_epochs > 1 or o.mini_batches > 1 or (a.kl_coef > 0 and a.kl_in_reward)
-        old = response_logprobs(self.policy, tokens, self.cfg, self.pad_id) if needs_old else CURRENT_POLICY
-        ref = response_logprobs(self.reference, tokens, self.cfg, self.pad_id) if self.reference else None
-        values = forward_rows(self.critic.values, tokens, self.cfg, self.pad_id) if self.critic else None
+        old = u.logprobs(self.policy, plan) if needs_old else CURRENT_POLICY
+        ref = u.logprobs(self.reference, plan) if self.reference else None
+        values = u.values(self.critic, plan) if self.critic else None
         return Logprobs(old, ref, values)
 
     def compute_advantages(self, batch: UpdateBatch, rewards: torch.Tensor, lp: Logprobs) -> UpdateBatch:
@@ -262,14 +264,13 @@ class Trainer:
         return batch.with_(advantages=advantages.to(device), old_logprobs=lp.old, ref_logprobs=lp.ref,
                            values=lp.values, returns=returns.to(device) if returns is not None else None)
 
-    def update(self, batch: UpdateBatch) -> UpdateResult:
-        """ppo_epochs x mini_batches optimizer steps of the policy (and the critic, when there is
-        one); skipped on all ranks if no group is left. During critic warm-up only the critic trains."""
+    def update(self, batch: UpdateBatch, plan: StepPlan) -> UpdateResult:
+        """The optimizer steps over `plan`; none if no group is left anywhere, the critic's alone in its warm-up."""
         if int(all_reduce(len(batch))) == 0:
             log.info(f"step {self.step}: every group was filtered out; update skipped")
             return UpdateResult(skipped=True)
         train_actor = self.critic is None or self.step > self.cfg.critic.warmup_steps
-        return optimize(self.policy if train_actor else None, self.critic, batch, self.cfg, self.pad_id)
+        return self.updater.optimize(self.policy if train_actor else None, self.critic, batch, plan)
 
     def end_step(self) -> bool:
         """Checkpoint when due (interval, clock, end of run, signal); True when a signal stops the run."""
@@ -370,8 +371,7 @@ class Trainer:
 
     def resume(self) -> None:
         """Restore everything the planned checkpoint holds, then give the engine the restored weights."""
-        path = self.plan.checkpoint
-        if path is None:
+        if (path := self.plan.checkpoint) is None:
             return
         self.checkpointer.load(Path(path))
         self.sync_weights()

@@ -190,7 +190,7 @@ def _gradient_worker(rank: int, world: int, model_dir: str) -> dict:
     from distflow.distributed.layout import ParallelLayout
     from distflow.train.policy import Policy
     from distflow.sample import Sample
-    from distflow.train.update import backward_policy_loss
+    from distflow.train.update import Updater
 
     torch.manual_seed(0)
     cfg = fp32_config()
@@ -215,7 +215,7 @@ def _gradient_worker(rank: int, world: int, model_dir: str) -> dict:
         samples = [s for ss, _ in mine for s in ss]
         adv = torch.cat([a for _, a in mine])
         batch = update_batch(samples, adv)
-        sums = backward_policy_loss(policy, batch, list(range(len(batch))), cfg, pad_id=0)
+        sums = Updater(cfg, 0).backward_policy(policy, batch, list(range(len(batch))))
         grads = full_grads(policy.model)
         policy.optimizer.zero_grad(set_to_none=True)
         results[balance] = (float(dd.all_reduce(sums.loss)), grads)

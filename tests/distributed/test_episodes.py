@@ -31,7 +31,7 @@ from distflow.rewards.pool import RewardPool
 from distflow.sample import Sample
 from distflow.rollout.hf_engine import HFEngine
 from distflow.rollout.scoring import score_groups
-from distflow.train.update import backward_policy_loss
+from distflow.train.update import Updater
 
 ARITH = str(ROOT / "recipes" / "data" / "arith.jsonl")
 SCRIPTED = "envs_for_tests:ScriptedToolEnv"
@@ -272,7 +272,7 @@ def _episodes_worker(rank, world, model_dir):
         inputs = AdvantageInputs(rewards.reshape(-1), torch.zeros_like(mask), mask, values * mask)
         adv, _ = ADVANTAGE_ESTIMATORS[est](inputs, a, _all_reduce_list)
         assert (adv[mask == 0] == 0).all()  # nothing on observations (nor padding)
-        sums = backward_policy_loss(policy, batch.with_(advantages=adv), list(range(len(batch))), cfg, tok.pad_token_id)
+        sums = Updater(cfg, tok.pad_token_id).backward_policy(policy, batch.with_(advantages=adv), list(range(len(batch))))
         grads = full_grads(policy.model)
         policy.optimizer.zero_grad(set_to_none=True)
         gathered = [None] * world
@@ -304,7 +304,7 @@ def _observation_tokens_get_no_gradient(policy, samples, cfg, pad_id) -> int:
 
     def run(batch):
         assert (batch.loss_mask[batch.tokens.resp_mask == 0] == 0).all()
-        sums = backward_policy_loss(policy, batch, list(range(len(batch))), cfg, pad_id)
+        sums = Updater(cfg, pad_id).backward_policy(policy, batch, list(range(len(batch))))
         grads = full_grads(policy.model)
         policy.optimizer.zero_grad(set_to_none=True)
         return sums.loss, grads

@@ -9,7 +9,7 @@ from grad_helpers import fixed_batch
 from config_helpers import fp32_config
 from distflow.distributed.layout import ParallelLayout
 from distflow.train.policy import Policy
-from distflow.train.update import backward_policy_loss
+from distflow.train.update import Updater
 
 
 def _nan_on_one_rank(rank, world, model_dir):
@@ -25,7 +25,7 @@ def _nan_on_one_rank(rank, world, model_dir):
         if poisoned and rank == 0:
             a[1] = float("nan")  # one sample of one rank
         batch = update_batch(local, a)
-        sums = backward_policy_loss(policy, batch, list(range(len(batch))), cfg, pad_id=0)
+        sums = Updater(cfg, 0).backward_policy(policy, batch, list(range(len(batch))))
         norm, taken = policy.step(sums.loss)
         after = {n: p.full_tensor().clone() for n, p in policy.model.named_parameters()}
         unchanged = all(torch.equal(before[n], after[n]) for n in before)

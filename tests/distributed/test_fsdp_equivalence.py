@@ -25,7 +25,7 @@ from distflow.train.batch import TokenBatch
 from distflow.distributed import all_reduce
 from distflow.distributed.layout import ParallelLayout
 from distflow.train.policy import Policy
-from distflow.train.update import backward_policy_loss
+from distflow.train.update import Updater
 
 
 BF16_REL = 3e-2
@@ -60,7 +60,7 @@ def _losses_and_grads(world, rank, model_dir, shard_ranks, dtype, modes):
             # with_ratio: old logprobs near the current ones, so the ratio straddles the clip range
             old = _perturbed_current(policy, samples[lo:hi], olds[lo:hi]) if with_ratio else None
             batch = update_batch(samples[lo:hi], adv[lo:hi], old)
-            sums = backward_policy_loss(policy, batch, list(range(len(batch))), cfg, pad_id=0)
+            sums = Updater(cfg, 0).backward_policy(policy, batch, list(range(len(batch))))
             grads = full_grads(policy.model)
             policy.optimizer.zero_grad(set_to_none=True)
             results[(dtype, mode, with_ratio)] = (float(all_reduce(sums.loss)), grads)
@@ -111,7 +111,7 @@ def _count_replica_all_reduces(rank, world, model_dir, sync):
 
     torch.distributed.all_reduce = counting
     try:
-        backward_policy_loss(policy, batch, list(range(len(batch))), cfg, pad_id=0)
+        Updater(cfg, 0).backward_policy(policy, batch, list(range(len(batch))))
     finally:
         torch.distributed.all_reduce = real_all_reduce
     return {"calls": calls, "n_params": sum(p.numel() for p in policy.model.parameters())}

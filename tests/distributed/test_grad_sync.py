@@ -12,7 +12,7 @@ from config_helpers import fp32_config
 from distflow.train.grad_sync import ReplicaGradReducer, plan_buckets
 from distflow.distributed.layout import ParallelLayout
 from distflow.train.policy import Policy
-from distflow.train.update import backward_policy_loss
+from distflow.train.update import Updater
 
 
 def _policy(model_dir, sync: str, bucket_mib: float = 0.01):
@@ -31,7 +31,7 @@ def _worker(rank, world, model_dir):
     for sync in ("fsdp", "bucketed"):
         cfg, policy = _policy(model_dir, sync)
         assert (policy.reducer is not None) == (sync == "bucketed")
-        backward_policy_loss(policy, batch, list(range(len(batch))), cfg, pad_id=0)
+        Updater(cfg, 0).backward_policy(policy, batch, list(range(len(batch))))
         grads[sync] = full_grads(policy.model)
         if sync == "bucketed":
             reducer = policy.reducer

@@ -19,7 +19,7 @@ from distflow.run.export import export_live
 from distflow.distributed.layout import ParallelLayout
 from distflow.train.lora import adapters_disabled, file_key, merged_parameters
 from distflow.train.policy import Policy, check_model_options
-from distflow.train.update import backward_policy_loss
+from distflow.train.update import Updater
 
 RANK, ALPHA = 4, 8.0
 
@@ -47,7 +47,7 @@ def _train_two_steps(rank, world, model_dir, cfg):
     batch = update_batch(samples[rank * per:(rank + 1) * per], adv[rank * per:(rank + 1) * per])
     base = {n: _full(p).clone() for n, p in policy.model.named_parameters() if not p.requires_grad}
     for _ in range(2):
-        sums = backward_policy_loss(policy, batch, list(range(len(batch))), cfg, pad_id=0)
+        sums = Updater(cfg, 0).backward_policy(policy, batch, list(range(len(batch))))
         grads = {n: _full(p.grad).clone() for n, p in policy.model.named_parameters() if p.requires_grad}
         assert all(p.grad is None for p in policy.model.parameters() if not p.requires_grad)
         policy.step(1.0)
@@ -122,7 +122,7 @@ def _bf16_base_and_fp32_adapters(model_dir, rank, world):
     per = len(samples) // world
     batch = update_batch(samples[rank * per:(rank + 1) * per], adv[rank * per:(rank + 1) * per])
     for _ in range(2):
-        backward_policy_loss(policy, batch, list(range(len(batch))), cfg, pad_id=0)
+        Updater(cfg, 0).backward_policy(policy, batch, list(range(len(batch))))
         assert all(p.grad.dtype == torch.float32 for p in policy.model.parameters() if p.requires_grad)
         norm, taken = policy.step(1.0)
     assert taken and norm > 0

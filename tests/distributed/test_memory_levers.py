@@ -22,7 +22,7 @@ from distflow.distributed.layout import ParallelLayout
 from distflow.train.lm_head import chunked_stats
 from distflow.train.policy import Policy, decoder_blocks
 from distflow.sample import Sample
-from distflow.train.update import backward_policy_loss, backward_value_loss
+from distflow.train.update import Updater
 
 # (logprob_chunk_tokens, activation_checkpointing); the first is the plain path. Chunks of 5 do
 # not divide the batch's response tokens, 1000 is longer than all of them together.
@@ -106,12 +106,14 @@ def _policy_pass(model_dir, cfg, local, adv):
         lp, entropy = policy.forward(TokenBatch.from_samples(local, 0, torch.device("cpu")), 0.7, with_entropy=True)
     blocks, calls = decoder_blocks(policy.model), []
     hooks = [b.register_forward_pre_hook(lambda *_: calls.append(1)) for b in blocks]  # (a recompute stops early)
+    batch, updater = update_batch(local, adv), Updater(cfg, 0)
+    micro = updater.micro_batches(batch.tokens, list(range(len(local))))
     with _SavedBytes() as saved:
-        sums = backward_policy_loss(policy, update_batch(local, adv), list(range(len(local))), cfg, pad_id=0)
+        sums = updater.backward_policy(policy, batch, list(range(len(local))), micro)
     for h in hooks:
         h.remove()
     out = dict(lp=lp, entropy=entropy, loss=float(all_reduce(sums.loss)), grads=full_grads(policy.model),
-               block_calls=len(calls) / len(blocks), saved=saved.total)
+               block_calls=len(calls) / len(blocks), passes=len(micro), saved=saved.total)
     policy.optimizer.zero_grad(set_to_none=True)
     empty = TokenBatch.from_samples([Sample([5, 6, 7], [], [], False)], 0, torch.device("cpu"))
     e_lp, e_ent = policy.forward(empty, 1.0, with_entropy=True)
@@ -124,7 +126,6 @@ def _policy_worker(rank, world, model_dir):
     samples, adv, _ = fixed_batch()
     lo, hi = rank * len(samples) // world, (rank + 1) * len(samples) // world
     local, adv = samples[lo:hi], adv[lo:hi]
-    n_micro = -(-len(local) // 3)
     res = {lever: _policy_pass(model_dir, _config(*lever), local, adv) for lever in LEVERS}
     plain = res[(0, False)]
     vocab = plain["grads"]["model.embed_tokens.weight"].shape[0]
@@ -134,7 +135,7 @@ def _policy_worker(rank, world, model_dir):
         assert abs(r["loss"] - plain["loss"]) <= REL * abs(plain["loss"]), (chunk, ckpt, r["loss"], plain["loss"])
         assert_grads_close(plain["grads"], r["grads"], REL, (chunk, ckpt))
         # checkpointing recomputes every block in backward; without it each block runs once
-        assert r["block_calls"] == (2 * n_micro if ckpt else n_micro), (chunk, ckpt, r["block_calls"])
+        assert r["block_calls"] == (2 * r["passes"] if ckpt else r["passes"]), (chunk, ckpt, r["block_calls"])
     # chunking keeps no fp32 logits for backward (the plain path keeps at least one [b, r, V]
     # tensor per micro-batch); checkpointing keeps less again (block inputs only)
     response_tokens = sum(len(s.response_ids) for s in local)
@@ -160,7 +161,7 @@ def _critic_worker(rank, world, model_dir):
         cfg = _config(0, ckpt)
         critic = Critic(model_dir, cfg.critic, cfg.model, cfg.optim, ParallelLayout.current(cfg.model))
         batch = update_batch(local, adv[lo:hi], values=noise[lo:hi], returns=[n + 1 for n in noise[lo:hi]])
-        sums = backward_value_loss(critic, batch, list(range(len(local))), cfg, pad_id=0)
+        sums = Updater(cfg, 0).backward_value(critic, batch, list(range(len(local))))
         res[ckpt] = (float(all_reduce(sums.value_loss)), full_grads(critic.model))
     (l0, g0), (l1, g1) = res[False], res[True]
     assert l0 != 0.0 and abs(l0 - l1) <= REL * abs(l0), (l0, l1)

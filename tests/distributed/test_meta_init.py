@@ -17,7 +17,7 @@ from distflow.config import DistflowConfig
 from distflow.train.critic import Critic
 from distflow.distributed.layout import ParallelLayout
 from distflow.train.policy import Policy
-from distflow.train.update import backward_policy_loss, backward_value_loss
+from distflow.train.update import Updater
 
 
 def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -48,10 +48,10 @@ def _train_step(kind: str, built, cfg: DistflowConfig, rank: int, world: int) ->
     if kind == "critic":
         returns = [adv[lo + i] + 0.3 * noise[lo + i] for i in rows]
         batch = update_batch(samples[lo:hi], values=[0.1 * n for n in noise[lo:hi]], returns=returns)
-        sums = backward_value_loss(built, batch, rows, cfg, pad_id=0)
+        sums = Updater(cfg, 0).backward_value(built, batch, rows)
         loss = sums.value_loss
     else:
-        sums = backward_policy_loss(built, update_batch(samples[lo:hi], adv[lo:hi]), rows, cfg, pad_id=0)
+        sums = Updater(cfg, 0).backward_policy(built, update_batch(samples[lo:hi], adv[lo:hi]), rows)
         loss = sums.loss
     _, taken = built.step(loss)
     assert taken

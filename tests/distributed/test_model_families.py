@@ -102,14 +102,14 @@ def _train_and_resync(policy, engine, seqs, rank: int) -> dict:
     trained weights as it follows a perturbation."""
     from distflow.rollout.weight_sync import full_parameters
     from distflow.sample import Sample
-    from distflow.train.update import backward_policy_loss
+    from distflow.train.update import Updater
 
     cfg = _config()
     samples = [Sample(s[:3], s[3:], [0.0] * (len(s) - 3), False) for s in seqs]
     batch = update_batch(samples, torch.tensor([1.0, -1.0]))
     norms, moe = [], []
     for _ in range(2):
-        sums = backward_policy_loss(policy, batch, list(range(len(batch))), cfg, pad_id=0)
+        sums = Updater(cfg, 0).backward_policy(policy, batch, list(range(len(batch))))
         norms.append(policy.step(sums.loss)[0])
         moe.append((sums.moe_aux, sums.moe_load, sums.moe_passes))
     stale = max_diff(engine.prompt_logprobs(seqs), policy_logprobs(policy, seqs))

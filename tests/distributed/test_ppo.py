@@ -18,7 +18,7 @@ from distflow.config import AlgorithmConfig, ConfigError
 from distflow.train.critic import Critic
 from distflow.distributed import all_reduce
 from distflow.distributed.layout import ParallelLayout
-from distflow.train.update import backward_value_loss, forward_rows
+from distflow.train.update import Updater
 
 
 # ----------------------------------------------------------------------------- GAE estimator
@@ -133,18 +133,21 @@ def _sharding_worker(rank, world, model_dir):
     local = samples[lo:hi]
     rewards = torch.linspace(-1.0, 1.0, 8)[lo:hi]
     tokens = TokenBatch.from_samples(local, 0, torch.device("cpu"))
-    padded, mask = forward_rows(critic.values, tokens, cfg, 0), tokens.resp_mask
+    updater = Updater(cfg, 0)
+    padded, mask = updater.values(critic, updater.plan(tokens)), tokens.resp_mask
     adv, ret = gae_advantages(AdvantageInputs(rewards, torch.zeros_like(mask), mask, padded),
                               AlgorithmConfig(gamma=0.95, lam=0.9), lambda v: all_reduce(v).tolist())
     values = [padded[i, : len(s.response_ids)] for i, s in enumerate(local)]
-    returns = [ret[i, : len(s.response_ids)] + 0.3 * noise[lo + i] for i, s in enumerate(local)]
+    # returns below the values: the value head's bias gradient is then a sum of one sign, not a
+    # near-cancelling one whose roundoff (summed in another order on 2 ranks) is large beside it
+    returns = [ret[i, : len(s.response_ids)] - 0.5 + 0.3 * noise[lo + i] for i, s in enumerate(local)]
     old = [v + 0.05 * noise[lo + i] for i, v in enumerate(values)]  # puts some tokens past the clip
     batch = update_batch(local, values=old, returns=returns)
     cfg.critic.value_clip = 0.02
     results = {}
     for mode in ("token-mean", "seq-mean-token-mean"):
         cfg.algorithm.loss_agg_mode = mode
-        sums = backward_value_loss(critic, batch, list(range(len(batch))), cfg, pad_id=0)
+        sums = Updater(cfg, 0).backward_value(critic, batch, list(range(len(batch))))
         grads = full_grads(critic.model)
         critic.optimizer.zero_grad(set_to_none=True)
         results[mode] = (float(all_reduce(sums.value_loss)), float(all_reduce(sums.value_clipped)), grads)

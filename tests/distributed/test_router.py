@@ -48,7 +48,7 @@ def _worker(rank, world, model_dir):
     from distflow.distributed.layout import ParallelLayout
     from distflow.train.batch import TokenBatch
     from distflow.train.policy import Policy
-    from distflow.train.update import backward_policy_loss
+    from distflow.train.update import Updater
 
     cfg = fp32_config()
     cfg.model.shard_ranks, cfg.model.router_aux_loss_coef = -1, COEF
@@ -58,7 +58,7 @@ def _worker(rank, world, model_dir):
     halves = [samples[:4], samples[4:]]
     policy = Policy(model_dir, cfg.model, cfg.optim, ParallelLayout.current(cfg.model))
     batch = update_batch(halves[rank], torch.zeros(4))  # zero advantages: only the routers' loss has a gradient
-    sums = backward_policy_loss(policy, batch, list(range(len(batch))), cfg, pad_id=0)
+    sums = Updater(cfg, 0).backward_policy(policy, batch, list(range(len(batch))))
     grads = full_grads(policy.model)
     # the reference: one unsharded model, every rank's half
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

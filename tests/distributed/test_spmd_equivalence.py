@@ -25,7 +25,7 @@ from distflow.config import AlgorithmConfig, DistflowConfig
 from distflow.distributed import all_reduce
 from distflow.distributed.layout import ParallelLayout
 from distflow.train.policy import Policy
-from distflow.train.update import backward_policy_loss
+from distflow.train.update import Updater
 
 GROUP = 4
 ALGORITHMS = sorted((ROOT / "recipes" / "algorithm").glob("*.yaml"))
@@ -86,7 +86,7 @@ def _worker(rank, world, model_dir):
         batch = update_batch(local, adv, old, ref)
         for mode in LOSS_AGG_MODES:
             cfg.algorithm.loss_agg_mode = mode
-            sums = backward_policy_loss(policy, batch, list(range(len(batch))), cfg, pad_id=0)
+            sums = Updater(cfg, 0).backward_policy(policy, batch, list(range(len(batch))))
             grads = full_grads(policy.model)
             policy.optimizer.zero_grad(set_to_none=True)
             fired = [float(all_reduce(sums.dual_clip)), float(all_reduce(_capped(batch, cfg.algorithm.tis_cap)))]

@@ -79,7 +79,7 @@ def test_wrong_type_is_rejected():
 def test_every_choice_is_checked():
     """Every Literal field refuses a value outside its choices (the generic check sees them all)."""
     fields = [(key, choices_of(ann)) for key, _, ann in leaf_keys(DistflowConfig) if choices_of(ann)]
-    assert len(fields) == 14, fields  # model: dtype, grad sync, lora resync; rollout: engine, eager; algorithm: 4; task; run: 2; logging: 2
+    assert len(fields) == 15, fields  # model: dtype, grad sync, lora resync; optim: shared prefix; rollout: engine, eager; algorithm: 4; task; run: 2; logging: 2
     for key, _ in fields:
         cfg = valid()
         *path, leaf = key.split(".")
@@ -146,7 +146,7 @@ def test_old_spellings_compose_the_same_config_and_name_the_new_keys():
 
 
 NEWER_OPERATIONAL = {"logging.progress_every_s", "run.allow_engine_mismatch", "run.memory_check",
-                     "logging.sync_timing"}  # operational keys added since that list
+                     "logging.sync_timing", "optim.shared_prefix"}  # operational keys added since that list
 
 
 def test_operational_keys_are_the_ones_resume_always_allowed():

@@ -127,7 +127,12 @@ class OptimConfig:
     micro_batch_size: int = knob(8, "Sequences per forward/backward pass.", operational=True)
     micro_batch_tokens: int = knob(
         0, "> 0: micro-batches by token budget instead (sequences x longest, padding included); either way sequences "
-        "of similar length are batched together.", operational=True)
+        "of similar length are batched together. With a shared prefix: packed tokens per micro-batch (0: "
+        "micro_batch_size x the batch's longest sequence, the padded path's largest micro-batch).", operational=True)
+    shared_prefix: Literal["auto", "on", "off"] = knob(
+        "auto", "Packed rows that compute each group's prompt once (each response attends to it) in every "
+        "forward over the batch: the same logprobs and gradients as padded rows, for fewer tokens. auto: on "
+        "whenever algorithm.group_size > 1; off: one padded row per sample.", operational=True)
 
     def checks(self) -> list[tuple[bool, str]]:
         return [

@@ -8,6 +8,7 @@ cut-and-re-pad of per-sample lists.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 from typing import Union
 
@@ -62,6 +63,45 @@ class TokenBatch:
     def width(self, idx: list[int]) -> int:
         """Response width of the rows `idx` (at least 1): the R of `rows(idx)`."""
         return max(1, int(self.resp_len[idx].max())) if idx else 1
+
+    # What a forward pass reads (the same as distflow.train.shared_prefix.PackedRows offers):
+
+    def model_inputs(self) -> dict:
+        return dict(input_ids=self.input_ids, attention_mask=self.attention_mask, position_ids=self.position_ids)
+
+    @property
+    def logits_to_keep(self) -> int:
+        """The last R+1 positions predict every response token."""
+        return self.resp_mask.shape[1] + 1
+
+    @property
+    def window_index(self) -> torch.Tensor:
+        """[B, R] indices into the window of the last R+1 positions: column t of row i is the
+        position whose output predicts (or values the state before) response token t.
+
+        A row with r response tokens has token t at window index R - r + t + 1, so the output at
+        window index R - r + t belongs to it (clamped past the end; those columns are masked)."""
+        width = self.resp_mask.shape[1]
+        t = torch.arange(width, device=self.resp_len.device)[None, :]
+        return (width - self.resp_len[:, None] + t).clamp(max=width - 1)
+
+    @property
+    def targets(self) -> torch.Tensor:
+        """[B, R] the response tokens (padding where a response is shorter)."""
+        return self.input_ids[:, -self.logits_to_keep:].gather(1, self.window_index + 1)
+
+    def select(self, kept: torch.Tensor) -> torch.Tensor:
+        """[B, R+1, ...] outputs of the kept window -> [B, R, ...] per response token."""
+        idx = self.window_index
+        idx = idx.view(*idx.shape, *([1] * (kept.dim() - 2))).expand(*idx.shape, *kept.shape[2:])
+        return kept.gather(1, idx)
+
+    def select_full(self, out: torch.Tensor) -> torch.Tensor:
+        """[B, L, ...] outputs at every position -> [B, R, ...] per response token."""
+        return self.select(out[:, -self.logits_to_keep:])
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def rows(self, idx: list[int]) -> "TokenBatch":
         """The rows `idx`, trimmed to their own widths: exactly `from_samples` of those samples."""

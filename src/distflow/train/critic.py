@@ -12,9 +12,9 @@ from transformers import AutoConfig, AutoModelForTokenClassification
 
 from distflow.config import CriticConfig, ModelConfig, OptimConfig
 from distflow.distributed.layout import ParallelLayout
-from distflow.train.batch import TokenBatch
 from distflow.train.model_init import initial_model
-from distflow.train.policy import ShardedModel, response_window_index
+from distflow.train.policy import ShardedModel
+from distflow.train.shared_prefix import Batch
 
 
 class Critic(ShardedModel):
@@ -30,15 +30,14 @@ class Critic(ShardedModel):
         super().__init__(model, model_cfg, optim, layout, lr=critic.lr, warmup_steps=critic.lr_warmup_steps,
                          load_full=load)
 
-    def values(self, batch: TokenBatch) -> torch.Tensor:
+    def values(self, batch: Batch) -> torch.Tensor:
         """V(state before each response token), [B, R], 0 beyond each response.
 
         The state before token t is the prefix ending at the previous token, the same position
         whose logits predict token t, so values and logprobs share one index.
         """
-        keep = batch.resp_mask.shape[1] + 1
-        out = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                         position_ids=batch.position_ids).logits[:, -keep:, 0]
-        v = out.gather(1, response_window_index(batch)).float()
+        with batch.forward_context():
+            out = self.model(**batch.model_inputs()).logits[..., 0]
+        v = batch.select_full(out).float()
         self._reshard_if_no_grad()
         return v * batch.resp_mask

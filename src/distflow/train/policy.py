@@ -22,7 +22,8 @@ from distflow.config import ModelConfig, OptimConfig
 from distflow.distributed import all_reduce
 from distflow.distributed.devices import torch_dtype
 from distflow.distributed.layout import ParallelLayout
-from distflow.train.batch import TokenBatch
+from distflow.train.shared_prefix import Batch, install
+from distflow.train.shared_prefix import PackedRows
 from distflow.train.grad_sync import ReplicaGradReducer
 from distflow.train.lm_head import chunked_stats, head_replaced, logit_softcap, output_head, token_stats
 from distflow.train.lora import (
@@ -56,18 +57,6 @@ def _backward_order(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> li
     return [p for p in in_blocks + [p for p in model.parameters() if id(p) not in seen] if p.requires_grad]
 
 
-def response_window_index(batch: TokenBatch) -> torch.Tensor:
-    """[B, R] indices into the window of the last R+1 positions: column t of row i is the
-    position whose output predicts (or values the state before) response token t.
-
-    A row with r response tokens has token t at window index R - r + t + 1, so the output at
-    window index R - r + t belongs to it (clamped past the end; those columns are masked).
-    """
-    width = batch.resp_mask.shape[1]
-    t = torch.arange(width, device=batch.resp_len.device)[None, :]
-    return (width - batch.resp_len[:, None] + t).clamp(max=width - 1)
-
-
 class ShardedModel:
     """An HF model sharded with FSDP2 (each decoder block, then the root), its AdamW optimizer
     and linear-warm-up LR schedule. trainable=False freezes it and builds no optimizer.
@@ -95,6 +84,8 @@ class ShardedModel:
         self.head = output_head(model) if self.logprob_chunk_tokens and model.get_output_embeddings() is not None \
             else None
         blocks = decoder_blocks(model)
+        if optim.shared_prefix != "off":
+            install(model)  # packed rows attend through it; padded rows keep the model's own
         self.lora = has_adapters(model)
         if compute != torch.float32 and (self.lora or not trainable):
             # frozen weights (a LoRA base, the KL reference) need no fp32 master copy: stored in
@@ -214,17 +205,15 @@ class Policy(ShardedModel):
         assert self.lora, "base() is the reference of a policy with adapters"
         return FrozenBase(self)
 
-    def logprobs(self, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
+    def logprobs(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
         """log p(response token | prefix) at `temperature`, shape [B, R] (0 beyond each response)."""
         return self.forward(batch, temperature)[0]
 
-    def forward(self, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False):
-        """(logprobs [B, R], entropy [B, R] or None) of the response tokens at `temperature`."""
-        keep = batch.resp_mask.shape[1] + 1  # the last R+1 positions predict every response token
-        idx = response_window_index(batch)
-        targets = batch.input_ids[:, -keep:].gather(1, idx + 1)
-        inputs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                      position_ids=batch.position_ids, logits_to_keep=keep)
+    def forward(self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False):
+        """(logprobs [B, R], entropy [B, R] or None) of the response tokens at `temperature`, for
+        padded rows or a packed row (distflow.train.shared_prefix) alike."""
+        targets = batch.targets
+        inputs = dict(batch.model_inputs(), logits_to_keep=batch.logits_to_keep)
         if self.experts:
             inputs["output_router_logits"] = True
         # logprob passes (no grad) run without the adapters' dropout: deterministic, as the engine
@@ -233,20 +222,17 @@ class Policy(ShardedModel):
             softcap = logit_softcap(self.model.config)  # read before head_replaced turns the model's own off
 
             def chunked_head(hidden: torch.Tensor) -> torch.Tensor:
-                window = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
-                return chunked_stats(window, self.head, targets, batch.resp_mask, temperature,
+                return chunked_stats(batch.select(hidden), self.head, targets, batch.resp_mask, temperature,
                                      self.logprob_chunk_tokens, with_entropy, self.head_dtype, softcap)
 
-            with head_replaced(self.model, self.head, chunked_head), quiet:
+            with head_replaced(self.model, self.head, chunked_head), quiet, batch.forward_context():
                 out = self.model(**inputs)
             stats = out.logits  # [B, R, 1 or 2]
             lp, entropy = stats[..., 0], (stats[..., 1] if with_entropy else None)
         else:  # [B, R, V] logits for the whole micro-batch
-            with quiet:
+            with quiet, batch.forward_context():
                 out = self.model(**inputs)
-            logits = out.logits
-            sel = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))
-            lp, entropy = token_stats(sel, targets, temperature, with_entropy)
+            lp, entropy = token_stats(batch.select(out.logits), targets, temperature, with_entropy)
             lp = lp * batch.resp_mask
             entropy = entropy * batch.resp_mask if with_entropy else None
         self.router = router_stats(out, batch.attention_mask, *self.experts) if self.experts else None
@@ -262,6 +248,6 @@ class FrozenBase:
     def __init__(self, policy: Policy):
         self.policy = policy
 
-    def logprobs(self, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
+    def logprobs(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
         with adapters_disabled(self.policy.model):
             return self.policy.logprobs(batch, temperature)

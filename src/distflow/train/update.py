@@ -1,8 +1,12 @@
-"""Forward passes over a rank's batch, and the loss passes over one mini-batch.
+"""The update engine: forward passes over a rank's batch, and the loss passes over its mini-batches.
+
+`Updater` is built once per run. It plans each batch once: micro-batches of the whole batch (the
+logprob, reference and value passes) and of each mini-batch, padded rows or packed shared-prefix
+rows (distflow.train.shared_prefix), every later pass reads the plan.
 
 Sharding-invariance lives here. Every rank runs the same number of FSDP forward (and
-backward) passes — the count is agreed with an all_reduce(MAX) and short ranks pad with
-zero-weight passes, even a rank that has no samples at all (dynamic sampling can leave one
+backward) passes — the counts are agreed in one all_reduce(MAX) per plan and short ranks pad
+with zero-weight passes, even a rank that has no samples at all (dynamic sampling can leave one
 empty). The loss normaliser (token or sequence count) is summed over all ranks; each
 micro-batch's loss is divided by it and multiplied by the world size (FSDP averages
 gradients over ranks), which yields the gradient a single process would get on the whole
@@ -12,7 +16,7 @@ global mini-batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
@@ -24,6 +28,7 @@ from distflow.sample import Sample
 from distflow.train.batch import CURRENT_POLICY, TokenBatch, UpdateBatch
 from distflow.train.critic import Critic
 from distflow.train.policy import Policy
+from distflow.train.shared_prefix import Batch, pack, plan_packed, row_tokens
 
 
 @dataclass
@@ -107,7 +112,7 @@ class UpdateResult:
 
 
 def plan_micro_batches(lengths: list[int], size: int, token_budget: int = 0) -> list[list[int]]:
-    """Row indices of each micro-batch, sequences of similar length together.
+    """Row indices of each padded micro-batch, sequences of similar length together.
 
     Sequences are ordered by length, so a micro-batch pads to a near neighbour instead of the
     longest sequence of the rank. With token_budget > 0 a micro-batch grows while its padded
@@ -126,154 +131,215 @@ def plan_micro_batches(lengths: list[int], size: int, token_budget: int = 0) -> 
     return plan
 
 
-def micro_batches(tokens: TokenBatch, rows: list[int], cfg: DistflowConfig,
-                  pad_id: int) -> Iterator[tuple[list[int], TokenBatch, bool]]:
-    """(row indices, their tokens, real) over `rows`, padded to the global number of passes.
+@dataclass(frozen=True)
+class MicroBatch:
+    """One forward (and backward) pass: `rows` of the rank's batch, in the order of `inputs`'
+    outputs. A padding pass (real=False) repeats real inputs and must contribute nothing."""
 
-    Padding passes reuse the first micro-batch (or a one-token dummy on an empty rank) and
-    must contribute nothing: callers weight them by 0 and drop their outputs.
-    """
-    o = cfg.optim
-    lengths = tokens.seq_len[rows].tolist() if rows else []
-    plan = [[rows[i] for i in mb] for mb in plan_micro_batches(lengths, o.micro_batch_size, o.micro_batch_tokens)]
-    n_passes = int(all_reduce(len(plan), "max"))
-    dummy = TokenBatch.from_samples([Sample([pad_id], [pad_id], [0.0], False)], pad_id, tokens.input_ids.device)
-    for k in range(n_passes):
-        real = k < len(plan)
-        idx = plan[k] if real else (plan[0] if plan else [])
-        yield idx, (tokens.rows(idx) if idx else dummy), real
+    rows: list[int]
+    inputs: Batch
+    real: bool = True
+
+    def cut(self, per_token: torch.Tensor) -> torch.Tensor:
+        """This pass's rows of a [B, R] tensor, at its own width."""
+        return per_token[self.rows, : self.inputs.resp_mask.shape[1]]
 
 
-@torch.no_grad()
-def forward_rows(forward: Callable[[TokenBatch], torch.Tensor], tokens: TokenBatch, cfg: DistflowConfig,
-                 pad_id: int) -> torch.Tensor:
-    """forward(micro-batch) -> [b, r] per response token, for every row: [B, R], in as many
-    passes as any rank."""
-    out = torch.zeros_like(tokens.resp_mask)
-    for idx, mb, real in micro_batches(tokens, list(range(len(tokens))), cfg, pad_id):
-        if real:
-            rows = forward(mb)
-            out[idx, : rows.shape[1]] = rows.to(out.dtype)
+@dataclass(frozen=True)
+class StepPlan:
+    """A batch's micro-batches, planned once: the whole batch, and each mini-batch."""
+
+    tokens: TokenBatch
+    whole: list[MicroBatch]
+    minis: list[list[MicroBatch]]
+
+
+class Updater:
+    """The update engine, built once per run: the loss settings, the response budget, how
+    micro-batches are cut (padded rows, or packed rows sharing each group's prompt) and the pad
+    id. `plan` cuts a batch once; the passes run over the plan."""
+
+    def __init__(self, cfg: DistflowConfig, pad_id: int):
+        o, a = cfg.optim, cfg.algorithm
+        self.algorithm, self.value_clip = a, cfg.critic.value_clip
+        self.temperature, self.response_budget = cfg.rollout.temperature, cfg.rollout.response_budget()
+        self.micro_batch_size, self.token_budget = o.micro_batch_size, o.micro_batch_tokens
+        self.mini_batches, self.epochs = o.mini_batches, a.ppo_epochs
+        self.shared_prefix = o.shared_prefix == "on" or (o.shared_prefix == "auto" and a.group_size > 1)
+        self.pad_id = pad_id
+
+    # --- planning -------------------------------------------------------------------------
+
+    def mini_batch_rows(self, n: int) -> list[list[int]]:
+        """Mini-batch m is rows [m*k, (m+1)*k) of the batch, on every rank."""
+        per = -(-n // self.mini_batches)
+        return [list(range(m * per, min(n, (m + 1) * per))) for m in range(self.mini_batches)]
+
+    def plan(self, tokens: TokenBatch) -> StepPlan:
+        """The micro-batches of the whole batch and of each mini-batch, their pass counts agreed
+        across ranks in one all_reduce."""
+        lists = [list(range(len(tokens)))] + self.mini_batch_rows(len(tokens))
+        planned = self._agreed(tokens, lists)
+        return StepPlan(tokens, planned[0], planned[1:])
+
+    def micro_batches(self, tokens: TokenBatch, rows: list[int]) -> list[MicroBatch]:
+        """The agreed micro-batches of `rows` alone (one all_reduce)."""
+        return self._agreed(tokens, [rows])[0]
+
+    def _agreed(self, tokens: TokenBatch, lists: list[list[int]]) -> list[list[MicroBatch]]:
+        samples = row_tokens(tokens) if self.shared_prefix and len(tokens) else []
+        planned = [self._cut(tokens, rows, samples) for rows in lists]
+        counts = all_reduce([len(p) for p in planned], "max").long().tolist()
+        return [self._pad(p, n, tokens.input_ids.device) for p, n in zip(planned, counts)]
+
+    def _cut(self, tokens: TokenBatch, rows: list[int], samples) -> list[MicroBatch]:
+        if not rows:
+            return []
+        if not self.shared_prefix:
+            lengths = tokens.seq_len[rows].tolist()
+            return [MicroBatch(idx, tokens.rows(idx))
+                    for idx in ([rows[i] for i in mb] for mb in
+                                plan_micro_batches(lengths, self.micro_batch_size, self.token_budget))]
+        # the padded path's largest micro-batch, unless a budget is set
+        budget = self.token_budget or self.micro_batch_size * max(len(samples[i].prompt) + len(samples[i].response)
+                                                                  for i in rows)
+        out = []
+        for units in plan_packed(samples, rows, budget):
+            order, packed = pack(samples, units, tokens.resp_mask, tokens.input_ids.device)
+            out.append(MicroBatch(order, packed))
+        return out
+
+    def _pad(self, plan: list[MicroBatch], n: int, device: torch.device) -> list[MicroBatch]:
+        """`plan` padded to n passes: the first micro-batch again, or a one-token dummy."""
+        if plan:
+            filler = MicroBatch(plan[0].rows, plan[0].inputs, False)
         else:
-            forward(mb)
-    return out
+            dummy = Sample([self.pad_id], [self.pad_id], [0.0], False)
+            filler = MicroBatch([], TokenBatch.from_samples([dummy], self.pad_id, device), False)
+        return plan + [filler] * (n - len(plan))
 
+    # --- forward passes over the whole batch ------------------------------------------------
 
-def response_logprobs(policy: Policy, tokens: TokenBatch, cfg: DistflowConfig, pad_id: int) -> torch.Tensor:
-    """[B, R] response logprobs at the rollout temperature."""
-    return forward_rows(lambda mb: policy.logprobs(mb, cfg.rollout.temperature), tokens, cfg, pad_id)
+    @torch.no_grad()
+    def _forward_rows(self, forward: Callable[[Batch], torch.Tensor], micro: list[MicroBatch],
+                      like: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(like)
+        for mb in micro:
+            rows = forward(mb.inputs)
+            if mb.real:
+                out[mb.rows, : rows.shape[1]] = rows.to(out.dtype)
+        return out
 
+    def logprobs(self, model, plan: StepPlan) -> torch.Tensor:
+        """[B, R] response logprobs at the rollout temperature (a policy, or its frozen base)."""
+        return self._forward_rows(lambda b: model.logprobs(b, self.temperature), plan.whole, plan.tokens.resp_mask)
 
-def _global_denominator(batches: list[tuple[list[int], TokenBatch, bool]], mask: torch.Tensor, mode: str) -> float:
-    """The loss normaliser of the whole global mini-batch (summed over ranks), at least 1."""
-    local = sum(aggregate_denominator(_cut(mask, idx, mb), mode) for idx, mb, real in batches if real)
-    return max(float(all_reduce(local)), 1.0)
+    def values(self, critic: Critic, plan: StepPlan) -> torch.Tensor:
+        """[B, R] the critic's values."""
+        return self._forward_rows(critic.values, plan.whole, plan.tokens.resp_mask)
 
+    # --- loss passes ----------------------------------------------------------------------
 
-def _cut(per_token: torch.Tensor, idx: list[int], mb: TokenBatch) -> torch.Tensor:
-    """The rows `idx` of a [B, R] tensor at the micro-batch's width."""
-    return per_token[idx, : mb.resp_mask.shape[1]]
+    def _denominator(self, micro: list[MicroBatch], mask: torch.Tensor) -> float:
+        """The loss normaliser of the whole global mini-batch (summed over ranks), at least 1."""
+        local = sum(aggregate_denominator(mb.cut(mask), self.algorithm.loss_agg_mode) for mb in micro if mb.real)
+        return max(float(all_reduce(local)), 1.0)
 
+    def backward_policy(self, policy: Policy, batch: UpdateBatch, rows: list[int],
+                        micro: list[MicroBatch] | None = None) -> UpdateSums:
+        """Accumulate gradients of the global mini-batch loss over this rank's `rows` of `batch`
+        (cut as `micro`, planned here when not given); returns this rank's metric sums. `old` is
+        the policy at the weights that sampled (the update's own forward when one optimizer step
+        follows each rollout), so comparing it with the engine's logprobs measures the
+        engine/trainer mismatch for free."""
+        a, world = self.algorithm, torch.distributed.get_world_size()
+        micro = self.micro_batches(batch.tokens, rows) if micro is None else micro
+        denom = self._denominator(micro, batch.loss_mask)
+        sums = DeviceSums()
+        real_passes = sum(mb.real for mb in micro)
+        for k, mb in enumerate(micro):
+            policy.all_reduce_gradients(k == len(micro) - 1)
+            logp, entropy = policy.forward(mb.inputs, self.temperature, with_entropy=a.entropy_coef != 0)
+            if mb.real:
+                mask, adv = mb.cut(batch.loss_mask), mb.cut(batch.advantages)
+                old = logp.detach() if batch.old_logprobs is CURRENT_POLICY else mb.cut(batch.old_logprobs)
+                engine = mb.cut(batch.sampling_logprobs)
+                ref = mb.cut(batch.ref_logprobs) if batch.ref_logprobs is not None else None
+            else:  # a padding pass: zero weight, any finite inputs
+                mask, adv, old = torch.zeros_like(logp), torch.zeros_like(logp), logp.detach()
+                engine, ref = old, old
+            token_loss, info = compute_token_loss(logp, old, adv, mask, a, engine_logp=engine, ref_logp=ref,
+                                                  entropy=entropy)
+            num = aggregate_numerator(token_loss, mask, a.loss_agg_mode, self.response_budget)
+            loss = num * (world / denom if mb.real else 0.0)  # padding passes contribute nothing
+            if policy.router is not None:  # the mean over this rank's passes; ranks are averaged as all gradients are
+                loss = loss + policy.router.aux_loss * (policy.router_aux_loss_coef / real_passes if mb.real else 0.0)
+            loss.backward()
+            if mb.real and policy.router is not None:
+                sums.add("moe_aux", policy.router.aux_loss)
+                sums.add("moe_load", policy.router.load_max_over_mean)
+                sums.add("moe_passes", torch.ones((), device=logp.device))
+            if mb.real:
+                m = mask.bool()
+                sums.add("loss", num.detach().double() / denom)
+                sums.add("tokens", m.sum())
+                sums.add_mismatch(mismatch_vector(old, engine, mask))
+                for key in ("clip_low", "clip_high", "dual_clip", "kl", "entropy", "tis_weight"):
+                    if key in info:
+                        sums.add(key, info[key].float()[m].sum())
+        return UpdateSums.read(sums)
 
-def backward_policy_loss(policy: Policy, batch: UpdateBatch, rows: list[int], cfg: DistflowConfig,
-                         pad_id: int) -> UpdateSums:
-    """Accumulate gradients of the global mini-batch loss over this rank's `rows` of `batch`;
-    returns this rank's metric sums. `old` is the policy at the weights that sampled (the
-    update's own forward when one optimizer step follows each rollout), so comparing it with the
-    engine's logprobs measures the engine/trainer mismatch for free."""
-    a, world = cfg.algorithm, torch.distributed.get_world_size()
-    batches = list(micro_batches(batch.tokens, rows, cfg, pad_id))
-    denom = _global_denominator(batches, batch.loss_mask, a.loss_agg_mode)
-    sums = DeviceSums()
-    real_passes = sum(real for _, _, real in batches)
-    for k, (idx, mb, real) in enumerate(batches):
-        policy.all_reduce_gradients(k == len(batches) - 1)
-        logp, entropy = policy.forward(mb, cfg.rollout.temperature, with_entropy=a.entropy_coef != 0)
-        if real:
-            mask, adv = _cut(batch.loss_mask, idx, mb), _cut(batch.advantages, idx, mb)
-            old = logp.detach() if batch.old_logprobs is CURRENT_POLICY else _cut(batch.old_logprobs, idx, mb)
-            engine = _cut(batch.sampling_logprobs, idx, mb)
-            ref = _cut(batch.ref_logprobs, idx, mb) if batch.ref_logprobs is not None else None
-        else:  # a padding pass: zero weight, any finite inputs
-            mask, adv, old = torch.zeros_like(logp), torch.zeros_like(logp), logp.detach()
-            engine, ref = old, old
-        token_loss, info = compute_token_loss(logp, old, adv, mask, a, engine_logp=engine, ref_logp=ref,
-                                              entropy=entropy)
-        num = aggregate_numerator(token_loss, mask, a.loss_agg_mode, cfg.rollout.response_budget())
-        loss = num * (world / denom if real else 0.0)  # padding passes contribute nothing
-        if policy.router is not None:  # the mean over this rank's passes; ranks are averaged as all gradients are
-            loss = loss + policy.router.aux_loss * (policy.router_aux_loss_coef / real_passes if real else 0.0)
-        loss.backward()
-        if real and policy.router is not None:
-            sums.add("moe_aux", policy.router.aux_loss)
-            sums.add("moe_load", policy.router.load_max_over_mean)
-            sums.add("moe_passes", torch.ones((), device=logp.device))
-        if real:
-            m = mask.bool()
-            sums.add("loss", num.detach().double() / denom)
-            sums.add("tokens", m.sum())
-            sums.add_mismatch(mismatch_vector(old, engine, mask))
-            for key in ("clip_low", "clip_high", "dual_clip", "kl", "entropy", "tis_weight"):
-                if key in info:
-                    sums.add(key, info[key].float()[m].sum())
-    return UpdateSums.read(sums)
+    def backward_value(self, critic: Critic, batch: UpdateBatch, rows: list[int],
+                       micro: list[MicroBatch] | None = None) -> UpdateSums:
+        """The critic's counterpart of backward_policy: clipped value loss, aggregated with the
+        algorithm's loss_agg_mode over the global mini-batch, same passes on every rank."""
+        a, world = self.algorithm, torch.distributed.get_world_size()
+        micro = self.micro_batches(batch.tokens, rows) if micro is None else micro
+        resp_mask = batch.tokens.resp_mask
+        denom = self._denominator(micro, resp_mask)
+        sums = DeviceSums()
+        for k, mb in enumerate(micro):
+            critic.all_reduce_gradients(k == len(micro) - 1)
+            values = critic.values(mb.inputs)
+            if mb.real:
+                mask, old, ret = mb.cut(resp_mask), mb.cut(batch.values), mb.cut(batch.returns)
+            else:
+                mask, old, ret = torch.zeros_like(values), values.detach(), values.detach()
+            token_loss, info = value_loss(values, old, ret, mask, self.value_clip)
+            num = aggregate_numerator(token_loss, mask, a.loss_agg_mode, self.response_budget)
+            (num * (world / denom if mb.real else 0.0)).backward()
+            if mb.real:
+                m = mask.bool()
+                sums.add("value_loss", num.detach().double() / denom)
+                sums.add("value_clipped", info["clipped"].sum())
+                sums.add("value_sq_error", (info["error"] ** 2).sum())
+                sums.add("value_sum", values.detach()[m].sum())
+                sums.add("value_tokens", m.sum())
+        return UpdateSums.read(sums)
 
+    def optimize(self, policy: Policy | None, critic: Critic | None, batch: UpdateBatch,
+                 plan: StepPlan) -> UpdateResult:
+        """algorithm.ppo_epochs x optim.mini_batches optimizer steps over the rank's batch, of the
+        policy (None: not trained this step, e.g. critic warm-up) and of the critic (if any).
 
-def backward_value_loss(critic: Critic, batch: UpdateBatch, rows: list[int], cfg: DistflowConfig,
-                        pad_id: int) -> UpdateSums:
-    """The critic's counterpart of backward_policy_loss: clipped value loss, aggregated with the
-    algorithm's loss_agg_mode over the global mini-batch, same passes on every rank."""
-    a, world = cfg.algorithm, torch.distributed.get_world_size()
-    batches = list(micro_batches(batch.tokens, rows, cfg, pad_id))
-    resp_mask = batch.tokens.resp_mask
-    denom = _global_denominator(batches, resp_mask, a.loss_agg_mode)
-    sums = DeviceSums()
-    real_passes = sum(real for _, _, real in batches)
-    for k, (idx, mb, real) in enumerate(batches):
-        critic.all_reduce_gradients(k == len(batches) - 1)
-        values = critic.values(mb)
-        if real:
-            mask, old, ret = _cut(resp_mask, idx, mb), _cut(batch.values, idx, mb), _cut(batch.returns, idx, mb)
-        else:
-            mask, old, ret = torch.zeros_like(values), values.detach(), values.detach()
-        token_loss, info = value_loss(values, old, ret, mask, cfg.critic.value_clip)
-        num = aggregate_numerator(token_loss, mask, a.loss_agg_mode, cfg.rollout.response_budget())
-        (num * (world / denom if real else 0.0)).backward()
-        if real:
-            m = mask.bool()
-            sums.add("value_loss", num.detach().double() / denom)
-            sums.add("value_clipped", info["clipped"].sum())
-            sums.add("value_sq_error", (info["error"] ** 2).sum())
-            sums.add("value_sum", values.detach()[m].sum())
-            sums.add("value_tokens", m.sum())
-    return UpdateSums.read(sums)
-
-
-def optimize(policy: Policy | None, critic: Critic | None, batch: UpdateBatch, cfg: DistflowConfig,
-             pad_id: int) -> UpdateResult:
-    """algorithm.ppo_epochs x optim.mini_batches optimizer steps over the rank's batch, of the
-    policy (None: not trained this step, e.g. critic warm-up) and of the critic (if any).
-
-    Mini-batch m is rows [m*n, (m+1)*n) of the batch on every rank; each model's step is dropped
-    on all ranks when its loss or gradient norm is not finite on any (ShardedModel.step)."""
-    o, a = cfg.optim, cfg.algorithm
-    result = UpdateResult(passes=o.mini_batches * a.ppo_epochs, actor_skipped=policy is None)
-    per_mini = -(-len(batch) // o.mini_batches)
-    norms: dict[str, list[float]] = {"policy": [], "critic": []}
-    for epoch in range(a.ppo_epochs):
-        for m in range(o.mini_batches):
-            rows = list(range(m * per_mini, min(len(batch), (m + 1) * per_mini)))
-            for name, model, backward in (("policy", policy, backward_policy_loss),
-                                          ("critic", critic, backward_value_loss)):
-                if model is None:
-                    continue
-                sums = backward(model, batch, rows, cfg, pad_id)
-                if epoch > 0:
-                    sums.mismatch = MismatchSums()  # every row was measured in the first epoch
-                result.sums += sums
-                norm, taken = model.step(sums.loss if name == "policy" else sums.value_loss)
-                norms[name].append(norm)
-                result.nonfinite_skipped += not taken
-    result.grad_norm = sum(norms["policy"]) / max(len(norms["policy"]), 1)
-    result.critic_grad_norm = sum(norms["critic"]) / max(len(norms["critic"]), 1)
-    return result
+        Each model's step is dropped on all ranks when its loss or gradient norm is not finite
+        on any (ShardedModel.step)."""
+        result = UpdateResult(passes=self.mini_batches * self.epochs, actor_skipped=policy is None)
+        norms: dict[str, list[float]] = {"policy": [], "critic": []}
+        rows = self.mini_batch_rows(len(batch))
+        for epoch in range(self.epochs):
+            for m, micro in enumerate(plan.minis):
+                for name, model, backward in (("policy", policy, self.backward_policy),
+                                              ("critic", critic, self.backward_value)):
+                    if model is None:
+                        continue
+                    sums = backward(model, batch, rows[m], micro)
+                    if epoch > 0:
+                        sums.mismatch = MismatchSums()  # every row was measured in the first epoch
+                    result.sums += sums
+                    norm, taken = model.step(sums.loss if name == "policy" else sums.value_loss)
+                    norms[name].append(norm)
+                    result.nonfinite_skipped += not taken
+        result.grad_norm = sum(norms["policy"]) / max(len(norms["policy"]), 1)
+        result.critic_grad_norm = sum(norms["critic"]) / max(len(norms["critic"]), 1)
+        return result
