@@ -78,11 +78,15 @@ class Engines:
         self.alive.append(engine)
         return engine
 
-    def close(self):
-        fast_exit_teardown()  # some 30 engines shut down next, at the worker's exit
-        for engine in self.alive:  # the adapter engines' folders in /dev/shm outlive the process otherwise
+    def remove_adapter_folders(self):
+        """The adapter engines' folders in /dev/shm, which outlive the process otherwise."""
+        for engine in self.alive:
             if getattr(engine, "adapter_folder", None) is not None:
                 engine.adapter_folder.remove()
+
+    def close(self):
+        fast_exit_teardown()  # some 30 engines shut down next, at the worker's exit
+        self.remove_adapter_folders()
         vllm = [e for e in self.alive if type(e).__name__ != "HFEngine"]
         if vllm:
             vllm[-1].shutdown()
@@ -216,8 +220,13 @@ def _worker(rank, world, root):
     root = Path(root)
     inspect_models_in_process()
     engines, results = Engines(), {}
-    for model_type in FAMILIES:
-        results[model_type] = _family(rank, model_type, build_family(model_type, str(root / "models")), root, engines)
+    try:
+        for model_type in FAMILIES:
+            results[model_type] = _family(rank, model_type, build_family(model_type, str(root / "models")), root,
+                                          engines)
+    except BaseException:
+        engines.remove_adapter_folders()  # the peer is killed: its folders stay (as vLLM's shared memory does)
+        raise
     every_rank = gathered(results)
     engines.close()  # tears the process group down: last
     return every_rank
