@@ -4,6 +4,7 @@ One pair of processes runs every case below, one `Trainer` after another, so a c
 trainer's start-up (a second or two), not a torchrun launch. The cases:
 
 - every algorithm recipe end to end, with its own metric keys and the post-resync probe;
+- packed rows sharing each group's prompt take the same first step as padded rows;
 - KL, entropy, truncated IS and dual-clip together; DAPO's dynamic sampling with a rank that keeps
   nothing, and with every group filtered out;
 - PPO's critic warm-up, and a PPO run stopped at step 2 and continued that equals one run straight
@@ -72,6 +73,7 @@ def cases(tmp: Path) -> list[tuple[str, str, list[str], dict]]:
     stale = ["run.steps=1", "optim.lr=1e-2", "optim.warmup_steps=0"]  # one step moves every weight ~1e-2
     run = [(f"algo_{a}", f"algo_{a}", [f"algorithm={a}", "run.steps=2"], {}) for a in ALGORITHMS]
     run += [
+        ("grpo_padded", "grpo_padded", ["algorithm=grpo", "run.steps=1", "optim.shared_prefix=off"], {}),
         ("kl_tis", "kl_tis", ["run.steps=2", "algorithm.kl_coef=0.05", "algorithm.entropy_coef=0.01",
                               f"algorithm.tis_cap={TIS_CAP}", "algorithm.dual_clip_c=3.0"], {}),
         ("dapo_empty_rank", "dapo_empty_rank", ["algorithm=dapo", "run.steps=2",
@@ -214,6 +216,16 @@ def test_every_algorithm_recipe_trains(runs, algorithm):
         assert key in rows[-1], (algorithm, key)
     assert all(r["sync/max_abs_logprob_diff"] <= 1e-5 for r in rows)
     assert all(math.isfinite(r["loss/policy"]) and r["update/nonfinite_skipped"] == 0 for r in rows)
+
+
+def test_packed_rows_take_the_step_padded_rows_take(runs):
+    """The default packs each group's prompt once (optim.shared_prefix=auto, 4 samples a prompt);
+    a run on padded rows draws the same samples and must take the same first step."""
+    packed, padded = _trained(runs, "algo_grpo", steps=2)[0], _trained(runs, "grpo_padded", steps=1)[0]
+    for key in ("reward/mean", "response_length/mean", "loss/policy", "grad_norm"):
+        assert packed[key] == pytest.approx(padded[key], rel=1e-5, abs=1e-8), (key, packed[key], padded[key])
+    assert max(packed["sync/max_abs_logprob_diff"], padded["sync/max_abs_logprob_diff"]) <= 1e-5
+    assert packed["update/forward_tokens"] < padded["update/forward_tokens"]
 
 
 def test_kl_entropy_tis_and_dual_clip_metrics(runs):

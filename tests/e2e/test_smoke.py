@@ -4,6 +4,7 @@ The docs' launch/local.sh line, run straight through with its output into a file
 healthy run writes and what its console shows; the README's torchrun line starts a second run
 (spelled with the old trainer.* keys), which stops at step 2 and is continued to step 4: it must
 equal the first bit for bit, and the checkpoint's CLI export must equal the end-of-run export.
+A third run on padded rows (optim.shared_prefix=off) must take the packed runs' first step.
 """
 
 import importlib.util
@@ -51,7 +52,9 @@ def runs(tmp_path_factory):
              "first_half": _run(TORCHRUN, tmp, f"trainer.output_dir={split}", "trainer.steps=2"),
              # more steps than the checkpoint's run: asked for
              "continued": _run(TORCHRUN, tmp, f"run.output_dir={split}", "run.steps=4", "checkpoint.export_at_end=true",
-                               "checkpoint.resume=force")}
+                               "checkpoint.resume=force"),
+             # one padded row per sample: the same samples, so the same first step
+             "padded": _run(TORCHRUN, tmp, f"run.output_dir={tmp / 'padded'}", "run.steps=1", "optim.shared_prefix=off")}
     return tmp, procs
 
 
@@ -120,3 +123,12 @@ def test_a_stopped_run_continues_bit_exact_and_exports_the_same_weights(runs, tm
     wc = load_file(cli / "model.safetensors")
     assert all(torch.equal(wa[k], wc[k]) for k in wa)
     assert (cli / "tokenizer.json").is_file() and (cli / "chat_template.jinja").is_file()
+
+
+def test_packed_rows_take_the_step_padded_rows_take(runs):
+    tmp, _ = runs
+    packed, padded = read_metrics(tmp / "straight")[0], read_metrics(tmp / "padded")[0]
+    for key in ("reward/mean", "response_length/mean", "loss/policy", "grad_norm"):
+        assert packed[key] == pytest.approx(padded[key], rel=1e-5, abs=1e-8), (key, packed[key], padded[key])
+    assert max(packed["sync/max_abs_logprob_diff"], padded["sync/max_abs_logprob_diff"]) <= 1e-5
+    assert packed["update/forward_tokens"] < padded["update/forward_tokens"]

@@ -77,6 +77,9 @@ def step_report(cfg: DistflowConfig, step: int, samples: list[Sample], rewards: 
         "lr": lr,
         **{f"reward/{k}": g[f"reward/{k}"] for k in REWARD_FAILURES},
         "update/nonfinite_skipped": float(upd.nonfinite_skipped),
+        # what the policy's loss passes fed the model, all ranks and epochs: padded rows count their
+        # padding, packed rows (optim.shared_prefix) each group's prompt once
+        "update/forward_tokens": g["upd/forward_tokens"],
         **mismatch_metrics(g),
     }
     if a.dual_clip_c is not None:

@@ -37,6 +37,7 @@ class UpdateSums:
 
     loss: float = 0.0  # the policy loss, already divided by the global denominator
     tokens: float = 0.0  # tokens the policy loss trained on
+    forward_tokens: float = 0.0  # tokens its passes fed the model: padding included, a shared prompt once
     clip_low: float = 0.0
     clip_high: float = 0.0
     dual_clip: float = 0.0
@@ -283,6 +284,7 @@ class Updater:
                 m = mask.bool()
                 sums.add("loss", num.detach().double() / denom)
                 sums.add("tokens", m.sum())
+                sums.add("forward_tokens", torch.full((), float(mb.inputs.input_ids.numel()), device=logp.device))
                 sums.add_mismatch(mismatch_vector(old, engine, mask))
                 for key in ("clip_low", "clip_high", "dual_clip", "kl", "entropy", "tis_weight"):
                     if key in info:
