@@ -122,6 +122,25 @@ def _train_and_resync(policy, engine, seqs, rank: int) -> dict:
             "after": max_diff(engine.prompt_logprobs(seqs), policy_logprobs(policy, seqs))}
 
 
+def _packed_vs_padded(policy, rank: int) -> float:
+    """Logprobs and entropy of two groups in one packed row (shared prompts computed once; one empty
+    response; positions past the sliding windows of 16) against the same samples on padded rows."""
+    from distflow.sample import Sample
+    from distflow.train.batch import TokenBatch
+    from distflow.train.shared_prefix import pack, plan_packed, row_tokens
+
+    long, short = [5 + rank + 3 * k for k in range(12)], [8, 9, 10 + rank]
+    groups = [(long, [list(range(20, 30)), list(range(40, 46)), []]), (short, [list(range(50, 64))])]
+    samples = [Sample(p, r, [0.0] * len(r), False) for p, rs in groups for r in rs]
+    tokens = TokenBatch.from_samples(samples, 0, policy.device)
+    rows = row_tokens(tokens)
+    (units,) = plan_packed(rows, list(range(len(rows))), budget=10**6)
+    order, packed = pack(rows, units, tokens.resp_mask, policy.device)
+    with torch.no_grad():
+        (a, ea), (b, eb) = (policy.forward(x, 1.0, with_entropy=True) for x in (tokens.rows(order), packed))
+    return max(float((a - b).abs().max()), float((ea - eb).abs().max()))
+
+
 def _family(rank: int, model_type: str, model_dir: str, tmp: Path, engines: Engines) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -155,6 +174,7 @@ def _family(rank: int, model_type: str, model_dir: str, tmp: Path, engines: Engi
     plain = policy_logprobs(policy, seqs)
     policy.logprob_chunk_tokens = _config().model.logprob_chunk_tokens
     out["chunked_vs_plain"] = max(float((a - b).abs().max()) for a, b in zip(chunked, plain))
+    out["packed_vs_padded"] = _packed_vs_padded(policy, rank)
     out["fp32"] = perturb_and_resync(engine, policy, seqs, seed=100 + rank)
     if model_type in MOE_FAMILIES:  # optimizer steps with the routers' loss on, then the resync again
         out["trained"] = _train_and_resync(policy, engine, seqs, rank)
@@ -250,6 +270,7 @@ def test_family_trains_against_its_engine(matrix, family):
     r0 = matrix[0][family]
     assert r0["tied"] == r0["folder_tied"], r0
     assert _worst(matrix, family, "chunked_vs_plain") <= 1e-6
+    assert _worst(matrix, family, "packed_vs_padded") <= FP32
     # before the perturbation engine and policy agree, the perturbation shows, the resync removes it
     assert _worst(matrix, family, "fp32", 0) <= FP32 and _worst(matrix, family, "fp32", 2) <= FP32
     assert min(r[family]["fp32"][1] for r in matrix) > 1e-2
@@ -279,8 +300,8 @@ def test_family_trains_against_its_engine(matrix, family):
 def table(matrix) -> str:
     """The markdown matrix of what was verified, family by family."""
     rows = ["| family (`model_type`) | architecture | head | engine | fp32 probe | bf16 probe | vLLM TP=2 | "
-            "chunked head | LoRA default targets | LoRA adapter resync | export | resume |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "chunked head | packed rows | LoRA default targets | LoRA adapter resync | export | resume |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for family, (arch, _) in FAMILIES.items():
         r = matrix[0][family]
         ok = lambda good: "✓" if good else "✗"  # noqa: E731
@@ -296,6 +317,7 @@ def table(matrix) -> str:
         moe = " (MoE)" if family in MOE_FAMILIES else ""
         rows.append(f"| `{family}`{moe} | {arch} | {'tied' if r['tied'] else 'untied'} | {engine} | {fp32} | {bf16} | "
                     f"{tp} | {ok(_worst(matrix, family, 'chunked_vs_plain') <= 1e-6)} | "
+                    f"{ok(_worst(matrix, family, 'packed_vs_padded') <= FP32)} ≤1e-5 | "
                     f"{ok(_worst(matrix, family, 'lora_fresh') == 0.0)} {', '.join(r['lora_targets'])} | {adapter} | "
                     f"{ok(_worst(matrix, family, 'export_engine') <= FP32)} | "
                     f"{ok(_worst(matrix, family, 'resume') == 0.0)} |")

@@ -20,6 +20,7 @@ so one model serves padded batches (the engine probe, `optim.shared_prefix=off`)
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass
 from typing import Iterator, Union
 
@@ -272,8 +273,8 @@ def shared_prefix_attention(module, query, key, value, attention_mask, dropout: 
     """[1, H, L, D] queries of a packed row -> ([1, L, H, D], None), as transformers' attention
     functions return; without a layout, the model's own attention function."""
     if shared_prefix is None:
-        base = ALL_ATTENTION_FUNCTIONS[_BASE[id(module.config)]]
-        return base(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return _base_attention(module)(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                       **kwargs)
     lay, window, softcap = shared_prefix, kwargs.get("sliding_window"), kwargs.get("softcap")
     groups = getattr(module, "num_key_value_groups", 1)
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)  # [L, heads, D]
@@ -290,6 +291,15 @@ def shared_prefix_attention(module, query, key, value, attention_mask, dropout: 
                            lay.response_mask(window), False, scaling, dropout, softcap)
         out = out.index_copy(0, lay.resp_idx[lay.resp_valid], resp_out.transpose(1, 2)[lay.resp_valid])
     return out[None], None
+
+
+def _base_attention(module):
+    """The attention function the model had: a registered one (sdpa, flash), or "eager", which
+    transformers leaves to each model file's own `eager_attention_forward` (Gemma 2's soft cap)."""
+    name = _BASE[id(module.config)]
+    if name in ALL_ATTENTION_FUNCTIONS:
+        return ALL_ATTENTION_FUNCTIONS[name]
+    return getattr(sys.modules[type(module).__module__], "eager_attention_forward")
 
 
 def _mask(*args, config=None, **kwargs):
