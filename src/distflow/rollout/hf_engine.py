@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from distflow.config import ModelConfig, RolloutConfig
 from distflow.distributed.devices import torch_dtype
 from distflow.sample import Sample
+from distflow.train.batch import left_pad
 
 
 class HFEngine:
@@ -29,21 +30,12 @@ class HFEngine:
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else tok.eos_token_id])
 
-    def _left_pad(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        width = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, width - len(s):] = torch.tensor(s)
-            mask[i, width - len(s):] = 1
-        return ids.to(self.device), mask.to(self.device)
-
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, seeds: list[int], greedy: bool = False) -> list[list[Sample]]:
         groups = []
         for prompt, seed in zip(prompts, seeds):  # one prompt at a time: per-prompt seeds stay reproducible
             torch.manual_seed(seed)
-            ids, mask = self._left_pad([prompt] * n)
+            ids, mask = (t.to(self.device) for t in left_pad([prompt] * n, self.pad_id))
             out = self.model.generate(
                 input_ids=ids,
                 attention_mask=mask,

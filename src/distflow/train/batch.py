@@ -38,15 +38,10 @@ class TokenBatch:
 
     @staticmethod
     def from_samples(samples: list[Sample], pad_id: int, device: torch.device) -> "TokenBatch":
-        seqs = [s.prompt_ids + s.response_ids for s in samples]
-        width = max(len(s) for s in seqs)
+        ids, attn = left_pad([s.prompt_ids + s.response_ids for s in samples], pad_id)
         resp_width = max(1, max(len(s.response_ids) for s in samples))
-        ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-        attn = torch.zeros((len(seqs), width), dtype=torch.long)
-        rmask = torch.zeros((len(seqs), resp_width), dtype=torch.float32)
-        for i, (seq, s) in enumerate(zip(seqs, samples)):
-            ids[i, width - len(seq):] = torch.tensor(seq)
-            attn[i, width - len(seq):] = 1
+        rmask = torch.zeros((len(samples), resp_width), dtype=torch.float32)
+        for i, s in enumerate(samples):
             rmask[i, : len(s.response_ids)] = 1.0 if s.mask is None else torch.tensor(s.mask, dtype=torch.float32)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         resp_len = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.long)
@@ -168,6 +163,17 @@ class UpdateBatch:
 
     def with_(self, **fields) -> "UpdateBatch":
         return replace(self, **fields)
+
+
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists as [N, longest] ids and attention mask, each sequence ending at the last column."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[i, width - len(s):] = 1
+    return ids, mask
 
 
 def pad_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
