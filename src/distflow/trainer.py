@@ -257,12 +257,10 @@ class Trainer:
         old = lp.old if lp.old is not CURRENT_POLICY else None
         scores, token_rewards = shape_rewards(rewards, batch.tokens, self.cfg.algorithm,
                                               self.cfg.rollout.response_budget(), old, lp.ref)
-        values = lp.values.cpu() if lp.values is not None else None
-        inputs = AdvantageInputs(scores, token_rewards, batch.tokens.resp_mask.cpu(), values)
+        inputs = AdvantageInputs(scores, token_rewards, batch.tokens.resp_mask, lp.values)  # all on the device
         advantages, returns = self.estimator(inputs, self.cfg.algorithm, lambda v: all_reduce(v).tolist())
-        device = self.layout.device
-        return batch.with_(advantages=advantages.to(device), old_logprobs=lp.old, ref_logprobs=lp.ref,
-                           values=lp.values, returns=returns.to(device) if returns is not None else None)
+        return batch.with_(advantages=advantages, old_logprobs=lp.old, ref_logprobs=lp.ref, values=lp.values,
+                           returns=returns)
 
     def update(self, batch: UpdateBatch, plan: StepPlan) -> UpdateResult:
         """The optimizer steps over `plan`; none if no group is left anywhere, the critic's alone in its warm-up."""

@@ -123,7 +123,7 @@ def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
     (a multi-turn episode's observation tokens)."""
     cols = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
     return torch.where(mask > 0, cols, torch.full_like(cols, -1)).amax(dim=1) if mask.shape[1] else \
-        torch.full((mask.shape[0],), -1, dtype=torch.long)
+        torch.full((mask.shape[0],), -1, dtype=torch.long, device=mask.device)
 
 
 def _outcome_token_rewards(inputs: AdvantageInputs, dtype: torch.dtype = torch.float32) -> torch.Tensor:

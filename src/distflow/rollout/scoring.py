@@ -70,12 +70,12 @@ def shape_rewards(rewards: torch.Tensor, tokens: TokenBatch, a: AlgorithmConfig,
     - With algorithm.kl_in_reward, -beta * KL(old || ref) is a reward on every response token
       (verl's kl_in_reward); sequence-level estimators sum it, GAE uses it per token.
     """
-    mask = tokens.resp_mask.cpu()
-    scores = rewards.reshape(-1).to(torch.float32).clone()
+    mask = tokens.resp_mask  # on the training device, as everything below: the estimators run there
+    scores = rewards.reshape(-1).to(device=mask.device, dtype=torch.float32)
     if a.overlong_buffer_len > 0:
-        scores += overlong_penalty(tokens.resp_len.cpu().to(torch.float32), max_len,
-                                   a.overlong_buffer_len, a.overlong_penalty)
+        scores = scores + overlong_penalty(tokens.resp_len.to(torch.float32), max_len, a.overlong_buffer_len,
+                                           a.overlong_penalty)
     token_rewards = torch.zeros_like(mask)
     if a.kl_coef > 0 and a.kl_in_reward and len(tokens):
-        token_rewards = -a.kl_coef * token_kl(old_logprobs.cpu(), ref_logprobs.cpu(), mask, a.kl_estimator)
+        token_rewards = -a.kl_coef * token_kl(old_logprobs, ref_logprobs, mask, a.kl_estimator)
     return scores, token_rewards
