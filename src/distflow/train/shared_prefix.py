@@ -67,9 +67,9 @@ class PrefixLayout:
             own = torch.ones((r, r), dtype=torch.bool, device=self.resp_idx.device).tril()
             causal = torch.cat([torch.ones((r, p), dtype=torch.bool, device=own.device), own], 1)
             mask = causal[None] & self.kv_valid[:, None, :]
-            if window is not None:
+            if window is not None:  # q - k < window, compared without an int64 [Nr, Rmax, Pmax + Rmax] difference
                 q, k = self.positions[self.resp_idx], self.positions[self.kv_idx]
-                mask = mask & ((q[:, :, None] - k[:, None, :]) < window)
+                mask = mask & (k[:, None, :] > q[:, :, None] - window)
             self._masks[key] = mask[:, None]
         return self._masks[key]
 
@@ -80,8 +80,8 @@ class PrefixLayout:
         key = ("prompt", window)
         if key not in self._masks:
             q = self.positions[self.prompt_idx]
-            diff = q[:, :, None] - q[:, None, :]
-            self._masks[key] = ((diff >= 0) & (diff < window) & self.prompt_valid[:, None, :])[:, None]
+            k, q = q[:, None, :], q[:, :, None]
+            self._masks[key] = ((k <= q) & (k > q - window) & self.prompt_valid[:, None, :])[:, None]
         return self._masks[key]
 
 
