@@ -10,6 +10,7 @@ import time
 import traceback
 from multiprocessing.connection import wait
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -23,6 +24,9 @@ def free_port() -> int:
 def _entry(rank: int, world: int, port: int, fn, args, errq, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    # one thread per rank, as torchrun gives each: torch is imported already (by this module, and
+    # by the pickled target's), so the variable above comes too late for this process's own pool
+    torch.set_num_threads(1)
     faulthandler.enable()  # a native abort prints every thread's Python stack into the test's output
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
