@@ -99,6 +99,7 @@ def measure_variant(a, variant: str, info) -> dict:
     cfg.model.shard_ranks = -1
     cfg.model.logprob_chunk_tokens, cfg.model.activation_checkpointing = VARIANTS[variant]
     cfg.optim.micro_batch_size = a.seqs
+    cfg.optim.shared_prefix = "off"  # padded rows (the samples share no prompt); update.py --memory compares packed
     cfg.algorithm.entropy_coef = 0.01
     policy = Policy(resolve_model_path(a.model), cfg.model, cfg.optim, ParallelLayout.from_config(cfg.model, info))
     g = torch.Generator().manual_seed(0)

@@ -137,15 +137,26 @@ def test_balance_smoke(tmp_path):
 
 
 def test_update_smoke(tmp_path):
-    out = run_bench("update", tmp_path, "--profile", "5")
+    # groups of 4 sharing a prompt, padded and packed side by side in the same launch, with memory
+    out = run_bench("update", tmp_path, "--profile", "5", "--shared-prefix", "off,on", "--group-size", "4", "--memory")
     profile = (tmp_path / "work" / "tiny-n2-float32-profile.txt").read_text()
     assert "Self CPU" in profile and len(profile.splitlines()) >= 5, profile
     rec = out["records"][0]
     assert rec["processes"] == 2 and rec["seqs_per_rank"] > rec["micro_batch_size"]  # several micro-batches
+    assert out["shared_prefix"] == ["off", "on"] and rec["shape"]["group_size"] == 4
     for variant in out["variants"]:
         for key in ("backward_s", "optimizer_s", "update_s"):
             assert _positive(rec["median_s"][variant][key]), (variant, key)
+            assert _positive(rec["by_shared_prefix"]["on"]["median_s"][variant][key]), (variant, key)
+        assert _positive(rec["speedup_shared_prefix"][variant])
     assert _positive(rec["speedup_fused"]) and _positive(rec["speedup_default"]) and _positive(rec["speedup_bucketed"])
+    off, on = rec["by_shared_prefix"]["off"], rec["by_shared_prefix"]["on"]
+    # padded rows carry each prompt once per sample plus padding; packed rows once per group
+    assert off["fed_tokens"] < off["padded_tokens"] and on["fed_tokens"] == on["padded_tokens"] < off["fed_tokens"]
+    assert rec["fed_tokens_on_over_off"] == on["fed_tokens"] / off["fed_tokens"]
+    for mode in ("off", "on"):
+        m = rec["memory"][mode]
+        assert _positive(m["before_mib"]) and m["peak_mib"] >= m["before_mib"] and _positive(m["seconds"]), mode
 
 
 def test_update_memory_smoke(tmp_path):
