@@ -84,6 +84,18 @@ class PrefixLayout:
             self._masks[key] = ((k <= q) & (k > q - window) & self.prompt_valid[:, None, :])[:, None]
         return self._masks[key]
 
+    def additive(self, mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """`mask` as SDPA's additive float mask (0 or the dtype's lowest), built once per dtype.
+        Handed a boolean mask, SDPA makes and keeps such a copy for backward in every layer; one
+        copy that every layer shares keeps that memory at one layer's."""
+        if mask is None:
+            return None
+        key = ("additive", id(mask), dtype)
+        if key not in self._masks:
+            zero = torch.zeros((), dtype=dtype, device=mask.device)
+            self._masks[key] = torch.where(mask, zero, torch.finfo(dtype).min)
+        return self._masks[key]
+
 
 def _padded(spans: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged index lists as [N, max] (padding points at index 0) and their validity."""
@@ -282,13 +294,17 @@ def shared_prefix_attention(module, query, key, value, attention_mask, dropout: 
     def gather(x: torch.Tensor, idx: torch.Tensor, rep: int = 1) -> torch.Tensor:
         return repeat_kv(x[idx].permute(0, 2, 1, 3), rep)  # [N, heads, n, D]
 
+    def mask(m: torch.Tensor | None) -> torch.Tensor | None:  # the soft-capped formula takes booleans
+        return m if softcap is not None else lay.additive(m, query.dtype)
+
     prompt_out = _attend(gather(q, lay.prompt_idx), gather(k, lay.prompt_idx, groups),
-                         gather(v, lay.prompt_idx, groups), lay.prompt_mask(window), True, scaling, dropout, softcap)
+                         gather(v, lay.prompt_idx, groups), mask(lay.prompt_mask(window)), True, scaling, dropout,
+                         softcap)
     out = q.new_zeros(q.shape)
     out = out.index_copy(0, lay.prompt_idx[lay.prompt_valid], prompt_out.transpose(1, 2)[lay.prompt_valid])
     if lay.resp_idx.shape[0]:
         resp_out = _attend(gather(q, lay.resp_idx), gather(k, lay.kv_idx, groups), gather(v, lay.kv_idx, groups),
-                           lay.response_mask(window), False, scaling, dropout, softcap)
+                           mask(lay.response_mask(window)), False, scaling, dropout, softcap)
         out = out.index_copy(0, lay.resp_idx[lay.resp_valid], resp_out.transpose(1, 2)[lay.resp_valid])
     return out[None], None
 
