@@ -4,7 +4,7 @@ memory levers: chunked logprobs (`model.logprob_chunk_tokens`) and activation ch
 
 Each variant runs in a fresh 1-rank process (torchrun), so allocator caches and high-water marks
 never carry over (`--smoke`, which only checks that the script runs, measures all four in one
-process, saving three start-ups): it builds the FSDP2 policy, then measures one `backward_policy_loss` over a
+process, saving three start-ups): it builds the FSDP2 policy, then measures one `Updater.backward_policy` over a
 fixed batch that is a single micro-batch (entropy bonus on, so entropy is computed too). On CPU
 the peak is the RSS high-water mark (reset with /proc/self/clear_refs just before the pass); on
 CUDA it is torch's peak allocated bytes. `delta` is the peak minus the memory held just before
@@ -61,7 +61,7 @@ def peak_mib() -> float:
 
 
 def micro_batch_peak(policy, batch, cfg) -> dict:
-    """{"before_mib", "peak_mib", "delta_mib", "seconds"} of one backward_policy_loss over all rows of `batch`
+    """{"before_mib", "peak_mib", "delta_mib", "seconds"} of one Updater.backward_policy over all rows of `batch`
     (an UpdateBatch; make optim.micro_batch_size at least its length for a single micro-batch)."""
     from distflow.train.update import Updater
 

@@ -90,7 +90,7 @@ def test_sharded_loss_and_gradients_equal_single_process(tiny_model_dir, shard_r
 
 
 def _count_replica_all_reduces(rank, world, model_dir, sync):
-    """backward_policy_loss over several micro-batches on a replicated mesh, counting the gradient
+    """Updater.backward_policy over several micro-batches on a replicated mesh, counting the gradient
     all-reduces across replicas (all_reduce calls made from inside torch's FSDP package, or from
     distflow's bucketed reducer)."""
     cfg = fp32_config()

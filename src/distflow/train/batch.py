@@ -2,8 +2,9 @@
 
 After rollout a rank's samples are left-padded into one `TokenBatch`; every later phase
 (logprobs, values, advantages, the loss) reads and writes [B, R] tensors aligned with its
-response mask, and micro-batches are row selections of it (`TokenBatch.rows`), never a
-cut-and-re-pad of per-sample lists.
+response mask. A padded micro-batch is a row selection of it (`TokenBatch.rows`), never a
+cut-and-re-pad of per-sample lists; a packed one (distflow.train.shared_prefix) is built from
+its rows and returns its outputs in the same [b, R] shape.
 """
 
 from __future__ import annotations

@@ -243,7 +243,7 @@ class Policy(ShardedModel):
 class FrozenBase:
     """A LoRA policy seen with its adapters off: the frozen base model, which is what a separate
     reference loaded from model.path would compute. Only the logprob pass the trainer asks of a
-    reference (distflow.train.update.response_logprobs)."""
+    reference (distflow.train.update.Updater.logprobs)."""
 
     def __init__(self, policy: Policy):
         self.policy = policy
