@@ -265,10 +265,20 @@ Batch = Union[TokenBatch, PackedRows]  # what a forward pass takes
 # --- the attention function ---------------------------------------------------------------
 
 def _attend(q, k, v, mask, causal: bool, scaling, dropout: float, softcap) -> torch.Tensor:
-    """SDPA, or the eager formula when the model soft-caps its attention scores (Gemma 2)."""
+    """SDPA, or the eager formula when the model soft-caps its attention scores (Gemma 2).
+
+    Grouped-query keys and values reach SDPA unrepeated wherever its kernel takes them: always
+    without a mask, and with one on CPU, whose flash kernel takes both. CUDA's masked kernels do
+    not, and SDPA would fall back to the math kernel that materializes the scores, so there they
+    are repeated to every head as transformers does."""
+    rep = q.shape[1] // k.shape[1]
+    grouped = rep > 1 and softcap is None and (mask is None or q.device.type == "cpu")
+    if rep > 1 and not grouped:
+        k, v = repeat_kv(k, rep), repeat_kv(v, rep)
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                              is_causal=causal and mask is None, scale=scaling)
+                                              is_causal=causal and mask is None, scale=scaling,
+                                              enable_gqa=grouped)
     scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
     scores = torch.tanh(q @ k.transpose(-1, -2) * scaling / softcap) * softcap
     if mask is None and causal:
@@ -288,22 +298,20 @@ def shared_prefix_attention(module, query, key, value, attention_mask, dropout: 
         return _base_attention(module)(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                        **kwargs)
     lay, window, softcap = shared_prefix, kwargs.get("sliding_window"), kwargs.get("softcap")
-    groups = getattr(module, "num_key_value_groups", 1)
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)  # [L, heads, D]
 
-    def gather(x: torch.Tensor, idx: torch.Tensor, rep: int = 1) -> torch.Tensor:
-        return repeat_kv(x[idx].permute(0, 2, 1, 3), rep)  # [N, heads, n, D]
+    def gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return x[idx].permute(0, 2, 1, 3)  # [N, heads, n, D]
 
     def mask(m: torch.Tensor | None) -> torch.Tensor | None:  # the soft-capped formula takes booleans
         return m if softcap is not None else lay.additive(m, query.dtype)
 
-    prompt_out = _attend(gather(q, lay.prompt_idx), gather(k, lay.prompt_idx, groups),
-                         gather(v, lay.prompt_idx, groups), mask(lay.prompt_mask(window)), True, scaling, dropout,
-                         softcap)
+    prompt_out = _attend(gather(q, lay.prompt_idx), gather(k, lay.prompt_idx), gather(v, lay.prompt_idx),
+                         mask(lay.prompt_mask(window)), True, scaling, dropout, softcap)
     out = q.new_zeros(q.shape)
     out = out.index_copy(0, lay.prompt_idx[lay.prompt_valid], prompt_out.transpose(1, 2)[lay.prompt_valid])
     if lay.resp_idx.shape[0]:
-        resp_out = _attend(gather(q, lay.resp_idx), gather(k, lay.kv_idx, groups), gather(v, lay.kv_idx, groups),
+        resp_out = _attend(gather(q, lay.resp_idx), gather(k, lay.kv_idx), gather(v, lay.kv_idx),
                            mask(lay.response_mask(window)), False, scaling, dropout, softcap)
         out = out.index_copy(0, lay.resp_idx[lay.resp_valid], resp_out.transpose(1, 2)[lay.resp_valid])
     return out[None], None
