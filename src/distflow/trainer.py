@@ -53,7 +53,7 @@ from distflow.run.report import StragglerWatch, run_summary, step_report, sync_p
 from distflow.run.resume import agree_on_plan
 from distflow.run.rundir import RunDir
 from distflow.sample import Sample
-from distflow.train.batch import CURRENT_POLICY, OldLogprobs, UpdateBatch
+from distflow.train.batch import CURRENT_POLICY, OldLogprobs, TokenBatch, UpdateBatch
 from distflow.train.critic import Critic
 from distflow.train.lora import adapter_tensors
 from distflow.train.memory_budget import check_memory_budget
@@ -188,7 +188,7 @@ class Trainer:
         with timed(timing, "sync"):  # wakes the engine: weights, reload, KV cache
             self.sync_weights()
         with timed(timing, "probe"):
-            probe = self.probe_sync(rollouts.samples)
+            probe = self.probe_sync(rollouts.samples, batch.tokens)
         timing["step"] = time.perf_counter() - t0
         timing["wait"] = waited_s() - waited0  # blocked in distflow's collectives, waiting for peers
         return step_report(self.cfg, self.step, rollouts.samples, rewards, len(rollouts.items), rollouts.stats,
@@ -313,13 +313,15 @@ class Trainer:
         weights = full_parameters(self.policy.model, getattr(torch, self.cfg.model.dtype), bucket)
         self.engine.load_weights(resync_fault(self.cfg.run.fault_inject, self.dist.rank, self.step, weights))
 
-    def probe_sync(self, samples: list[Sample]) -> float:
-        """Max |engine - policy| logprob on this step's sequences, after the resync (NaN when not probed)."""
+    def probe_sync(self, samples: list[Sample], tokens: TokenBatch) -> float:
+        """Max |engine - policy| logprob on this step's first sequences (the batch's own rows), after the
+        resync (NaN when not probed)."""
         n, every = self.cfg.run.sync_probe_seqs, self.cfg.run.sync_probe_every
         if n == 0 or (self.step % every and self.step != 1):
             return float("nan")
-        seqs = [s.prompt_ids + s.response_ids for s in samples[:n]] or [[self.pad_id, self.pad_id]]
-        return self.check_engine(seqs, f"step {self.step}")
+        seqs = [s.prompt_ids + s.response_ids for s in samples[:n]]
+        rows = tokens.whole(list(range(len(seqs)))) if seqs else None
+        return self.check_engine(seqs or [[self.pad_id, self.pad_id]], f"step {self.step}", rows)
 
     def check_engine_at_start(self) -> None:
         """Once before any step, whatever run.sync_probe_every says: the engine as loaded (or resynced from
@@ -329,10 +331,10 @@ class Trainer:
         diff = self.check_engine(seqs, "start-up")
         log.info(f"start-up probe: engine and policy logprobs agree to {diff:.3g}")
 
-    def check_engine(self, seqs: list[list[int]], when: str) -> float:
+    def check_engine(self, seqs: list[list[int]], when: str, rows: TokenBatch | None = None) -> float:
         """The largest |engine - policy| logprob of any rank on `seqs`; past PROBE_LIMIT every rank stops
         with the same line (run.allow_engine_mismatch: warns)."""
-        diff = max_logprob_diff(self.engine, self.policy, seqs, self.pad_id)
+        diff = max_logprob_diff(self.engine, self.policy, seqs, self.pad_id, rows)
         diff = float(all_reduce(diff, op="max")[0])
         line = mismatch_line(diff, self.cfg.model.dtype, self.policy.model.config.model_type, when)
         if line and not self.cfg.run.allow_engine_mismatch:

@@ -32,15 +32,18 @@ PROBE_LIMIT = {"float32": 1e-3, "bfloat16": 3.0}
 
 
 @torch.no_grad()
-def max_logprob_diff(engine, policy, seqs: list[list[int]], pad_id: int) -> float:
+def max_logprob_diff(engine, policy, seqs: list[list[int]], pad_id: int, rows=None) -> float:
     """Max |engine - policy| logprob of every token after the first of `seqs`, at temperature 1:
-    after a resync the two must agree (a wrong or partial resync shows up here)."""
+    after a resync the two must agree (a wrong or partial resync shows up here). `rows`: the
+    same sequences as a `TokenBatch` that scores all their tokens (`TokenBatch.whole`, the
+    step's own rows, not padded again); padded from `seqs` when None."""
     from distflow.sample import Sample
     from distflow.train.batch import TokenBatch
 
     engine_lp = engine.prompt_logprobs(seqs)
-    as_samples = [Sample(seq[:1], seq[1:], [], False) for seq in seqs]
-    policy_lp = policy.logprobs(TokenBatch.from_samples(as_samples, pad_id, policy.device), 1.0)
+    if rows is None:
+        rows = TokenBatch.from_samples([Sample(seq[:1], seq[1:], [], False) for seq in seqs], pad_id, policy.device)
+    policy_lp = policy.logprobs(rows, 1.0)
     diff = 0.0
     for i, lp in enumerate(engine_lp):
         ref = policy_lp[i, : len(lp)].float().cpu()

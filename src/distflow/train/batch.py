@@ -105,6 +105,15 @@ class TokenBatch:
         return TokenBatch(self.input_ids[idx, -length:], self.attention_mask[idx, -length:],
                           self.position_ids[idx, -length:], self.resp_len[idx], self.resp_mask[idx, :width])
 
+    def whole(self, idx: list[int]) -> "TokenBatch":
+        """The rows `idx` with every token after the first scored, prompt tokens included (the
+        engine probe's view): exactly `from_samples` of those sequences as one-token prompts."""
+        rows = self.rows(idx)
+        scored = rows.seq_len - 1
+        width = max(1, int(scored.max())) if idx else 1
+        mask = (torch.arange(width, device=scored.device)[None, :] < scored[:, None]).float()
+        return TokenBatch(rows.input_ids, rows.attention_mask, rows.position_ids, scored, mask)
+
 
 class _CurrentPolicy:
     """Marker for `UpdateBatch.old_logprobs`: the policy that sampled is the one being trained
