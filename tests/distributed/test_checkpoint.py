@@ -1,7 +1,7 @@
 """Checkpoints on real gloo ranks and real DCP files: every scope saved and loaded back, torn
 checkpoints skipped, a checkpoint of another format refused, a save that fails on one rank
 stopping every rank, and export to a plain HF folder.
-(Bit-exact resume of whole runs: distributed/test_trainer_loop.py and e2e/test_smoke.py.)"""
+(Bit-exact resume of whole runs: distributed/test_trainer_loop.py and the e2e engine runs.)"""
 
 import datetime
 import json

@@ -3,7 +3,9 @@
 CPU lines (`.venv/bin/torchrun`, `launch/local.sh`) run, shortened to one step, from a fresh
 working folder that holds the docs' own `my_rewards.py` (so a reward module beside the user is
 importable under torchrun, as the docs say); the few that another e2e test launches itself, with
-many more checks (RUN_ELSEWHERE), run there instead. GPU lines (`.venv-gpu/bin/torchrun`) are
+many more checks (RUN_ELSEWHERE), run there instead. Lines that differ from a launched one only
+in their task (TASK_ONLY) are composed as the recipe composes them, and their task is built in
+that folder: the prompts load and the rewards score each prompt's own answer. GPU lines (`.venv-gpu/bin/torchrun`) are
 composed: the config they build must validate and resolve on CUDA to the documented defaults.
 sbatch lines run the real template against a fake allocation (stub srun, a stand-in GPU python)
 and the torchrun command it builds is composed the same way. make lines are dry-run (`make -n`).
@@ -16,7 +18,7 @@ import subprocess
 
 import pytest
 
-from docs_helpers import doc_commands, run_doc_command
+from docs_helpers import doc_commands, run_doc_command, user_folder
 from launch_helpers import ROOT
 
 KINDS = {"make": "make ", "cpu": (".venv/bin/torchrun", "launch/local.sh"), "gpu": ".venv-gpu/bin/torchrun",
@@ -28,6 +30,16 @@ RUN_ELSEWHERE = {
     ".venv/bin/torchrun --standalone --nproc_per_node=2 recipes/grpo.py experiment=smoke": "e2e/test_smoke.py",
     "launch/local.sh 2 experiment=smoke": "e2e/test_smoke.py",
     ".venv/bin/torchrun --standalone --nproc_per_node=2 recipes/grpo.py experiment=tools_smoke": "e2e/test_tools_runs.py",
+}
+
+
+# Commands whose run would differ from a launched line only in its task (data and rewards).
+TASK_ONLY = {
+    ".venv/bin/torchrun --standalone --nproc_per_node=2 recipes/grpo.py experiment=smoke  task=jsonl "
+    "task.path=recipes/data/gsm8k_sample.jsonl task.prompt_key=question task.answer_key=answer task.reward=gsm8k":
+        "a file task with a built-in reward",
+    ".venv/bin/torchrun --standalone --nproc_per_node=2 recipes/grpo.py experiment=smoke task.reward=my_rewards:my_reward":
+        "the user's reward alone; the weighted line beside it launches it under torchrun",
 }
 
 
@@ -53,7 +65,7 @@ def test_every_readme_command_is_checked_here():
     assert {"make demo", "make test", "make install-gpu", "make gpu-check"} <= set(commands)
     assert len(of_kind("cpu")) >= 6 and len(of_kind("gpu")) >= 1 and len(of_kind("sbatch")) >= 2
     # the commands run elsewhere are shown, and those tests use them (docs_helpers.doc_command)
-    assert set(RUN_ELSEWHERE) <= set(of_kind("cpu"))
+    assert set(RUN_ELSEWHERE) | set(TASK_ONLY) <= set(of_kind("cpu"))
     for command, test in RUN_ELSEWHERE.items():
         text = (ROOT / "tests" / test).read_text()
         assert "doc_command(" in text and command in text, (command, test)
@@ -66,7 +78,7 @@ def test_readme_make_target_exists(command):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command", [c for c in of_kind("cpu") if c not in RUN_ELSEWHERE])
+@pytest.mark.parametrize("command", [c for c in of_kind("cpu") if c not in RUN_ELSEWHERE and c not in TASK_ONLY])
 def test_readme_cpu_command_runs(command, tmp_path):
     out = tmp_path / "out"
     proc = run_doc_command(command, ["run.steps=1", f"run.output_dir={out}", "logging.plot_at_end=false"], tmp_path)
@@ -75,6 +87,31 @@ def test_readme_cpu_command_runs(command, tmp_path):
     assert len(rows) == 1
     if "my_rewards" in command:  # the user's reward really scored (no import error turned into zeros)
         assert rows[0]["reward/errors"] == 0, rows[0]
+
+
+@pytest.mark.parametrize("command", list(TASK_ONLY))
+def test_readme_task_line_loads_and_scores(command, tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from config_helpers import compose
+    from distflow.data.prompts import load_prompts
+    from distflow.models.tiny import resolve_model_path
+    from distflow.rewards.pool import RewardPool
+
+    folder = user_folder(tmp_path)
+    monkeypatch.chdir(folder)  # where the user launches from: the recipe puts it on the import path
+    monkeypatch.syspath_prepend(str(folder))
+    args = shlex.split(command)
+    cfg = compose(args[args.index("recipes/grpo.py") + 1:]).validate()
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(cfg.model.path))
+    items = load_prompts(cfg.task, tok, cfg.rollout.max_prompt_tokens)[:4]
+    assert len(items) == 4
+    with RewardPool.from_task(cfg.task) as pool:
+        calls = [(it.prompt_text, f"The answer is {said.format(it.answer)}.", [], {**it.fields, "answer": it.answer})
+                 for said in ("{}", "unknown") for it in items]
+        rewards, stats = pool.score(calls)
+    assert stats.get("errors", 0) == 0, stats
+    assert rewards == [1.0] * 4 + [0.0] * 4, rewards
 
 
 def _compose_for_cuda(overrides: list[str]):
