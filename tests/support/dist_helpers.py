@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import faulthandler
+import importlib.util
 import os
 import pickle
 import socket
@@ -21,7 +22,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn, args, errq, results) -> None:
+# Modules a rank would otherwise import itself, ~5 s of CPU per rank: ranks fork from a server that
+# imported them once (multiprocessing's forkserver), so a rank starts in a fraction of a second.
+PRELOAD = ["torch", "torch.distributed.fsdp", "transformers", "distflow.trainer"]
+if importlib.util.find_spec("vllm") is not None:
+    PRELOAD.append("vllm")
+# Variables those modules read at import (the Hugging Face libraries' cache and offline settings):
+# when a test changes one, its ranks are spawned fresh instead. Every other variable reaches the
+# ranks as the test set it (`_entry`).
+READ_AT_IMPORT = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_")
+_server_env: dict[str, str] | None = None
+
+
+def _import_time_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(READ_AT_IMPORT)}
+
+
+def _context():
+    """forkserver with PRELOAD imported, or spawn when READ_AT_IMPORT variables differ from the ones
+    the server started with."""
+    global _server_env
+    if _server_env is None:
+        _server_env = _import_time_env()
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        return ctx
+    return mp.get_context("forkserver" if _import_time_env() == _server_env else "spawn")
+
+
+def _entry(rank: int, world: int, port: int, fn, args, errq, results, environ: dict) -> None:
+    os.environ.clear()  # the test's environment now, not the one the fork server started with
+    os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     # one thread per rank, as torchrun gives each: torch is imported already (by this module, and
@@ -52,11 +83,11 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300):
     child outlives the call: any rank still running when it returns or raises (a hang, an error
     in a sibling, a KeyboardInterrupt) is killed and reaped in the `finally` below.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     errq = ctx.SimpleQueue()
     reader, results = ctx.Pipe(duplex=False)  # rank 0's return value
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, errq, results))
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, errq, results, dict(os.environ)))
              for r in range(world_size)]
     alive: list = []
     failure = None  # (rank, traceback) of the first rank to report one
