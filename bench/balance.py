@@ -12,7 +12,7 @@ worth of sequences, sorted by length (the trainer's default), so a rank's cost f
 
     .venv/bin/python bench/balance.py                 # tiny + smollm2_135m (if available), 2 processes
     .venv/bin/python bench/balance.py --models tiny --repeats 3 --steps 5
-    .venv/bin/python bench/balance.py --smoke --results-dir /tmp/r
+    .venv/bin/python bench/balance.py --smoke --results-dir /tmp/r   # off and on launched at once
 """
 
 from __future__ import annotations
@@ -69,11 +69,16 @@ def main() -> None:
         task = wd / f"skewed-{model}.jsonl"
         skewed_task(task, s["preamble"])
         runs = {False: [], True: []}
+
+        def one(balance: bool, r: int) -> dict:
+            print(f"[balance] {model} balance={balance} repeat {r}", flush=True)
+            return run(model, balance, steps, s, task, wd, f"{model}-{balance}-{r}", args.nproc, C.engine(args))
+
         for r in range(repeats):
-            for balance in ((False, True) if r % 2 == 0 else (True, False)):
-                print(f"[balance] {model} balance={balance} repeat {r}", flush=True)
-                runs[balance].append(run(model, balance, steps, s, task, wd, f"{model}-{balance}-{r}", args.nproc,
-                                         C.engine(args)))
+            order = (False, True) if r % 2 == 0 else (True, False)
+            # --smoke launches off and on at once (their times are not compared, the token spread is)
+            for balance, rec in zip(order, C.each(lambda b: one(b, r), order, together=args.smoke)):
+                runs[balance].append(rec)
         rec = {"model": model, "processes": args.nproc, "repeats": repeats, "measured_steps": steps - 1,
                "settings": s, "loadavg_1m": C.loadavg()}
         for balance, name in ((False, "off"), (True, "on")):

@@ -21,7 +21,7 @@ so counted in distflow_bytes), and what a rank sends must stay flat in the world
 
     .venv/bin/python bench/comm.py                 # world sizes 1,2,4 (+8 if memory allows), k = 1, 2
     .venv/bin/python bench/comm.py --world-sizes 1,2,4,8 --tp 1
-    .venv/bin/python bench/comm.py --smoke --results-dir /tmp/r
+    .venv/bin/python bench/comm.py --smoke --results-dir /tmp/r   # world sizes 1 and 2, launched at once
 """
 
 from __future__ import annotations
@@ -97,30 +97,33 @@ def main() -> None:
     wd = C.work_dir(args, "comm")
     results = {}
     model = C.models(args)[0]  # the smoke experiment's model (tiny); bytes do not depend on the model
+
+    def measure(w: int, k: int) -> dict:
+        tag = f"{model}-w{w}" + (f"-tp{k}" if k > 1 else "")
+        out, run_dir = wd / tag, wd / f"run-{tag}"
+        C.fresh(out, run_dir)
+        print(f"[comm] world size {w}, tensor_parallel_size {k}", flush=True)
+        overrides = ["experiment=smoke", f"model={model}", f"rollout={C.engine(args)}", f"run.steps={steps}",
+                     f"run.output_dir={run_dir}", "checkpoint.resume=never", f"rollout.tensor_parallel_size={k}",
+                     "logging.plot_at_end=false", "logging.progress_bar=false"]
+        C.torchrun(C.BENCH / "comm_entry.py", overrides, w, wd / f"{tag}.log",
+                   extra_env={"DISTFLOW_COMM_OUT": str(out)})
+        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(w)]
+        step_ids = list(range(1, ranks[0]["steps"] + 1))
+        rec = {"world_size": w, "tensor_parallel_size": k, "steps": len(step_ids)}
+        for key, fn in (("distflow_bytes", distflow_bytes), ("distflow_calls", distflow_calls),
+                        ("helper_bytes", helper_bytes), ("helper_calls", helper_calls),
+                        ("fsdp_sync_bytes", fsdp_sync_bytes), ("vllm_other_bytes", other_bytes)):
+            rec[f"{key}_per_rank_per_step"] = max(per_step(r, step_ids, fn) for r in ranks)
+        rec["rank0_phases"] = ranks[0]["phases"]
+        return rec
+
     for k in tps:
-        records, rows = [], []
-        for w in [w for w in sizes if w % k == 0]:
-            tag = f"{model}-w{w}" + (f"-tp{k}" if k > 1 else "")
-            out, run_dir = wd / tag, wd / f"run-{tag}"
-            C.fresh(out, run_dir)
-            print(f"[comm] world size {w}, tensor_parallel_size {k}", flush=True)
-            overrides = ["experiment=smoke", f"model={model}", f"rollout={C.engine(args)}", f"run.steps={steps}",
-                         f"run.output_dir={run_dir}", "checkpoint.resume=never", f"rollout.tensor_parallel_size={k}",
-                         "logging.plot_at_end=false", "logging.progress_bar=false"]
-            C.torchrun(C.BENCH / "comm_entry.py", overrides, w, wd / f"{tag}.log",
-                       extra_env={"DISTFLOW_COMM_OUT": str(out)})
-            ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(w)]
-            step_ids = list(range(1, ranks[0]["steps"] + 1))
-            rec = {"world_size": w, "tensor_parallel_size": k, "steps": len(step_ids)}
-            for key, fn in (("distflow_bytes", distflow_bytes), ("distflow_calls", distflow_calls),
-                            ("helper_bytes", helper_bytes), ("helper_calls", helper_calls),
-                            ("fsdp_sync_bytes", fsdp_sync_bytes), ("vllm_other_bytes", other_bytes)):
-                rec[f"{key}_per_rank_per_step"] = max(per_step(r, step_ids, fn) for r in ranks)
-            rec["rank0_phases"] = ranks[0]["phases"]
-            records.append(rec)
-            rows.append([w, k, rec["distflow_bytes_per_rank_per_step"], rec["distflow_calls_per_rank_per_step"],
-                         rec["helper_bytes_per_rank_per_step"], rec["fsdp_sync_bytes_per_rank_per_step"],
-                         rec["vllm_other_bytes_per_rank_per_step"]])
+        # bytes, not times: --smoke launches the world sizes at once
+        records = C.each(lambda w: measure(w, k), [w for w in sizes if w % k == 0], together=args.smoke)
+        rows = [[r["world_size"], k, r["distflow_bytes_per_rank_per_step"], r["distflow_calls_per_rank_per_step"],
+                 r["helper_bytes_per_rank_per_step"], r["fsdp_sync_bytes_per_rank_per_step"],
+                 r["vllm_other_bytes_per_rank_per_step"]] for r in records]
         print(C.table(["world", "k", "distflow B/rank/step", "calls/step", "helper payload B", "fsdp+sync B",
                        "vllm+other B"], rows))
         multi = [r["distflow_bytes_per_rank_per_step"] for r in records if r["world_size"] > 1]

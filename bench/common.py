@@ -112,6 +112,18 @@ def torchrun(script: Path | str, args: list[str], nproc: int, log: Path, timeout
     return run(cmd, log, timeout, bench_env(nproc, extra_env))
 
 
+def each(fn, items: list, together: bool = False) -> list:
+    """[fn(x) for x in items], each call typically one launch. `together` (--smoke runs, whose
+    times nobody reads) makes the calls at once, in threads, so independent launches overlap
+    their start-ups on the machine's cores; results keep the order of `items` either way."""
+    if not together or len(items) < 2:
+        return [fn(x) for x in items]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(items)) as pool:
+        return list(pool.map(fn, items))
+
+
 def run(cmd: list[str], log: Path, timeout: float, env: dict | None = None) -> float:
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -192,10 +204,12 @@ def count_params(model_path: str) -> int:
 
 
 def machine() -> dict:
-    import torch
+    """Where the numbers were taken. torch's version comes from its installed metadata, the same
+    string as torch.__version__, without importing torch (seconds, in a process that launches others)."""
+    from importlib.metadata import version
 
     return {"cpu_count": CORES, "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "torch": torch.__version__, "python": platform.python_version()}
+            "torch": version("torch"), "python": platform.python_version()}
 
 
 def cpu_bf16_support() -> dict:

@@ -5,8 +5,8 @@ tokens; the demo's is 2 x 4 with 48): per rank
 data.prompts_per_rank prompts x algorithm.group_size samples, rollout.max_new_tokens new tokens,
 on NPROC ranks (the Makefile's default, 2) launched together with torchrun, each with its own
 engine, as in training. Both engines live in the same processes and timed rounds alternate
-(vllm, hf, vllm, hf, ...) after one warm-up round each; every round draws new prompts from
-recipes/data/arith.jsonl. tokens/s = generated tokens of all ranks / slowest rank's time.
+(vllm, hf, vllm, hf, ...) after one warm-up round each (`--smoke`: none); every round draws new
+prompts from recipes/data/arith.jsonl. tokens/s = generated tokens of all ranks / slowest rank's time.
 
     .venv/bin/python bench/engines.py                 # smollm2_135m (tiny if unavailable)
     .venv/bin/python bench/engines.py --models tiny,smollm2_135m --rounds 10
@@ -44,7 +44,7 @@ def worker(a) -> None:
     cfg.rollout.engine = "hf"
     engines["hf"] = build_engine(path, cfg.model, cfg.rollout, info.device, 0)
     res = {name: {"s": [], "gen_tokens": [], "all_tokens": []} for name in engines}
-    for r in range(a.rounds + 1):  # round 0: warm-up
+    for r in range(a.warmup + a.rounds):  # the first a.warmup rounds are not timed
         start = ((r * info.world_size + info.rank) * a.prompts) % len(items)
         batch = [items[(start + i) % len(items)] for i in range(a.prompts)]
         seeds = [1000 * r + 10 * info.rank + i for i in range(a.prompts)]
@@ -56,7 +56,7 @@ def worker(a) -> None:
             gen = sum(len(s.response_ids) for g in groups for s in g)
             allt = sum(len(s.prompt_ids) + len(s.response_ids) for g in groups for s in g)
             gen, allt = (int(v) for v in all_reduce([gen, allt]).tolist())
-            if r:
+            if r >= a.warmup:
                 res[name]["s"].append(dt)
                 res[name]["gen_tokens"].append(gen)
                 res[name]["all_tokens"].append(allt)
@@ -96,7 +96,8 @@ def main() -> None:
                               "--prompts", str(shape["prompts_per_rank"]), "--group-size", str(shape["group_size"]),
                               "--max-new-tokens", str(shape["max_new_tokens"]),
                               "--max-prompt-tokens", str(shape["max_prompt_tokens"]),
-                              "--rounds", str(rounds), "--out", str(out)], args.nproc, wd / f"{model}.log")
+                              "--rounds", str(rounds), "--warmup", "0" if args.smoke else "1", "--out", str(out)],
+                   args.nproc, wd / f"{model}.log")
         r = json.loads(out.read_text())["results"]
         rec = {"model": model, "batch_shape": shape, "rounds": rounds}
         for name in ("vllm", "hf"):
@@ -125,6 +126,7 @@ if __name__ == "__main__":
         for flag in ("--model", "--data", "--out"):
             ap.add_argument(flag, required=True)
         ap.add_argument("--system-prompt", default=None)
+        ap.add_argument("--warmup", type=int, default=1, help="untimed rounds per engine first")
         for flag in ("--prompts", "--group-size", "--max-new-tokens", "--max-prompt-tokens", "--rounds"):
             ap.add_argument(flag, type=int, required=True)
         ap.add_argument("--worker", action="store_true")

@@ -133,7 +133,8 @@ def main() -> None:
     measured = args.steps or (1 if args.smoke else 3)
     wd = C.work_dir(args, "flops")
     env = {"DISTFLOW_FLOPS_SIZES": "256,512" if args.smoke else "1024,2048,4096",
-           "DISTFLOW_FLOPS_REPS": "2" if args.smoke else "5", "DISTFLOW_FLOPS_DTYPES": ",".join(PEAK_DTYPES)}
+           "DISTFLOW_FLOPS_REPS": "2" if args.smoke else "5", "DISTFLOW_FLOPS_ROUND": "1e8" if args.smoke else "1e10",
+           "DISTFLOW_FLOPS_DTYPES": ",".join(PEAK_DTYPES)}
     records, rows = [], []
     for model in C.models(args):
         s = dict(SETTINGS[model])

@@ -19,7 +19,9 @@ import common
 import torch
 import torch.nn.functional as F
 
-ROUND_FLOPS = 1e10  # per rank per timed round: long enough to time, short enough for 4096^3 alone
+# per rank per timed round: long enough to time, short enough for 4096^3 alone ($DISTFLOW_FLOPS_ROUND:
+# bench/flops.py --smoke asks for less, only to check that the measurement runs)
+ROUND_FLOPS = float(os.environ.get("DISTFLOW_FLOPS_ROUND", "1e10"))
 
 
 def rate(m: int, k: int, n: int, dtype: torch.dtype, reps: int) -> float:

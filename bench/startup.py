@@ -2,17 +2,19 @@
 built, with meta-device start-up (model.meta_device_init=true: rank 0 reads the weights, the
 others only allocate their shards) and without (every rank reads the whole model first).
 
-Each configuration is one fresh `torchrun --standalone` launch. Before each model a rank resets
+Each configuration is one fresh `torchrun --standalone` launch (`--smoke`: one launch builds both
+settings of model.meta_device_init, one after the other). Before each model a rank resets
 its peak (/proc/self/clear_refs, 5) and reads VmHWM afterwards, so `peak` is that model's own
 high-water mark, on top of what the rank already held (`before`, which includes torch and
 transformers themselves). On CUDA the peak allocated device memory is recorded as well.
 
     .venv/bin/python bench/startup.py                                # smollm2_135m, 2 ranks, both layouts
     .venv/bin/python bench/startup.py --models tiny --nprocs 1,2
-    .venv/bin/python bench/startup.py --smoke --results-dir /tmp/r     # tiny, plain FSDP only
+    .venv/bin/python bench/startup.py --smoke --results-dir /tmp/r     # tiny, plain FSDP only, one launch
 
 `measure(model, nproc, meta, shard_ranks, work_dir)` is the one-configuration entry point other
-benchmarks call; it returns the per-rank record.
+benchmarks call; it returns the per-rank record (`measure_launch`: several settings of `meta` in
+turn in one launch, a record each).
 """
 
 from __future__ import annotations
@@ -40,11 +42,26 @@ def _reset_peak() -> None:
 
 
 def worker(a) -> None:
+    import torch.distributed as dist
+
+    from distflow.distributed import init_distributed, shutdown
+
+    info = init_distributed("gloo", "auto")
+    results = [build(a, meta, info) for meta in a.meta]
+    if info.rank == 0:
+        Path(a.out).write_text(json.dumps(results))
+    dist.barrier()
+    shutdown()
+
+
+def build(a, meta: bool, info) -> dict:
+    """Policy, reference and critic with model.meta_device_init=`meta`: each rank's memory per stage."""
+    import gc
+
     import torch
     import torch.distributed as dist
 
     from distflow.config import DistflowConfig
-    from distflow.distributed import init_distributed, shutdown
     from distflow.distributed.devices import resolve_auto
     from distflow.distributed.layout import ParallelLayout
     from distflow.models.tiny import resolve_model_path
@@ -53,9 +70,8 @@ def worker(a) -> None:
 
     cfg = DistflowConfig()
     cfg.model.path = a.model
-    info = init_distributed("gloo", "auto")
     cfg = resolve_auto(cfg, info.device)
-    cfg.model.meta_device_init = a.meta
+    cfg.model.meta_device_init = meta
     cfg.model.shard_ranks = a.shard_ranks
     cfg.algorithm.advantage = "gae"  # the critic follows from the estimator
     path = resolve_model_path(a.model)
@@ -81,25 +97,28 @@ def worker(a) -> None:
             stages[stage]["cuda_peak_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
     ranks = [None] * info.world_size
     dist.all_gather_object(ranks, stages)
-    if info.rank == 0:
-        Path(a.out).write_text(json.dumps({"ranks": ranks, "world_size": info.world_size,
-                                           "shard": layout.shard, "device": info.device.type}))
     dist.barrier()
     del built
-    shutdown()
+    gc.collect()
+    return {"ranks": ranks, "world_size": info.world_size, "shard": layout.shard, "device": info.device.type}
 
 
 def measure(model: str, nproc: int, meta: bool, shard_ranks: int, work_dir: Path) -> dict:
     """One launch: per-rank start-up memory of policy, reference and critic (see the module doc)."""
+    return measure_launch(model, nproc, [meta], shard_ranks, work_dir)[0]
+
+
+def measure_launch(model: str, nproc: int, metas: list[bool], shard_ranks: int, work_dir: Path) -> list[dict]:
+    """One launch that measures each model.meta_device_init of `metas` in turn; a record each."""
     import common as C
 
-    name = f"{model}-n{nproc}-shard{shard_ranks}-{'meta' if meta else 'full'}"
+    name = f"{model}-n{nproc}-shard{shard_ranks}-" + "-".join("meta" if m else "full" for m in metas)
     out = Path(work_dir) / f"{name}.json"
     C.fresh(out)
     C.torchrun(__file__, ["--worker", "--model", model, "--out", str(out), "--shard-ranks", str(shard_ranks),
-                          *(["--meta"] if meta else [])], nproc, Path(work_dir) / f"{name}.log")
-    r = json.loads(out.read_text())
-    return {"model": model, "processes": nproc, "shard_ranks": shard_ranks, "meta_device_init": meta, **r}
+                          "--meta", ",".join(str(m).lower() for m in metas)], nproc, Path(work_dir) / f"{name}.log")
+    return [{"model": model, "processes": nproc, "shard_ranks": shard_ranks, "meta_device_init": m, **r}
+            for m, r in zip(metas, json.loads(out.read_text()))]
 
 
 def main() -> None:
@@ -119,15 +138,18 @@ def main() -> None:
     for model in C.models(args):
         for nproc in nprocs:
             for shard in layouts:
-                for meta in (False, True):  # side by side, in one run
-                    print(f"[startup] {model} nproc={nproc} shard_ranks={shard} meta={meta}", flush=True)
-                    rec = measure(model, nproc, meta, shard, wd)
-                    records.append(rec)
-                    for rank, stages in enumerate(rec["ranks"]):
-                        peak = max(s["peak_mib"] for s in stages.values())
-                        rows.append([model, nproc, shard, meta, rank, stages["policy"]["before_mib"], peak,
-                                     *(stages[s]["peak_mib"] - stages[s]["before_mib"] for s in STAGES),
-                                     stages["critic"]["after_mib"], sum(s["seconds"] for s in stages.values())])
+                # side by side, in one run; a fresh launch each (--smoke: both in one)
+                for metas in ([[False, True]] if args.smoke else [[False], [True]]):
+                    print(f"[startup] {model} nproc={nproc} shard_ranks={shard} meta={','.join(map(str, metas))}",
+                          flush=True)
+                    for rec in measure_launch(model, nproc, metas, shard, wd):
+                        records.append(rec)
+                        meta = rec["meta_device_init"]
+                        for rank, stages in enumerate(rec["ranks"]):
+                            peak = max(s["peak_mib"] for s in stages.values())
+                            rows.append([model, nproc, shard, meta, rank, stages["policy"]["before_mib"], peak,
+                                         *(stages[s]["peak_mib"] - stages[s]["before_mib"] for s in STAGES),
+                                         stages["critic"]["after_mib"], sum(s["seconds"] for s in stages.values())])
     print(C.table(["model", "procs", "shard", "meta", "rank", "before MiB", "peak MiB", "policy +MiB", "ref +MiB",
                    "critic +MiB", "after MiB", "build s"], rows))
     C.write_json(args.results_dir, "startup", {"bench": "startup", "smoke": args.smoke, "machine": C.machine(),
@@ -140,7 +162,8 @@ if __name__ == "__main__":
         ap.add_argument("--model", required=True)
         ap.add_argument("--out", required=True)
         ap.add_argument("--shard-ranks", type=int, required=True)
-        ap.add_argument("--meta", action="store_true")
+        ap.add_argument("--meta", type=lambda v: [x == "true" for x in v.split(",")], default=[False],
+                        help="comma list of model.meta_device_init values, measured one after the other")
         ap.add_argument("--worker", action="store_true")
         worker(ap.parse_args())
     else:

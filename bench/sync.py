@@ -4,7 +4,8 @@ torch copy of a flat fp32 buffer of the same size on this machine. ratio = resyn
 
 Each configuration runs under `torchrun --standalone --nproc_per_node N` with the same start-up
 order as the trainer (process group, engine, FSDP2 policy); `--smoke` builds the engines of one
-process count in one launch and times them one after the other, saving start-ups. Also reported: `gather_s`, the time to
+process count in one launch and times them one after the other, then (on the same vLLM engine,
+built with LoRA on) the LoRA resyncs below, saving start-ups. Also reported: `gather_s`, the time to
 just materialise the stream (DTensor.full_tensor + dtype cast) without loading it into an engine.
 
 With `--tp 1,2` the 2-process vLLM runs also use one tensor-parallel engine over both ranks
@@ -37,6 +38,10 @@ GOAL = 1.5
 
 
 def worker(a) -> None:
+    """Full-weight resyncs into each engine of --engine (one after the other, on one policy), then,
+    with --lora-rank, both LoRA resyncs on the vLLM engine (built with LoRA on) and a LoRA policy."""
+    import dataclasses
+
     import torch
     import torch.distributed as dist
 
@@ -49,23 +54,24 @@ def worker(a) -> None:
     from distflow.rollout.weight_sync import full_parameters
     from distflow.train.policy import Policy
 
-    names = a.engine.split(",")  # several (--smoke): one after the other, on one policy
+    names = [n for n in a.engine.split(",") if n]  # full-weight resyncs, one engine after the other
+    built = names + (["vllm"] if a.lora_rank and "vllm" not in names else [])
     cfg = DistflowConfig()
-    cfg.model.path, cfg.rollout.engine, cfg.rollout.tensor_parallel_size = a.model, names[0], a.tp
+    cfg.model.path, cfg.rollout.tensor_parallel_size = a.model, a.tp
     cfg.model.dtype = a.dtype
-    if a.lora_rank:
-        cfg.model.lora = LoraConfig(enabled=True, rank=a.lora_rank, alpha=2.0 * a.lora_rank, resync="adapter")
     cfg.rollout.max_new_tokens, cfg.rollout.max_prompt_tokens = 32, 128
     info = init_distributed("gloo", "cpu")
     cfg = resolve_auto(cfg, info.device)  # the trainer's dtype and shard degree for this model
+    lora_model = dataclasses.replace(cfg.model, lora=LoraConfig(enabled=True, rank=a.lora_rank, alpha=2.0 * a.lora_rank,
+                                                                resync="adapter")) if a.lora_rank else None
     path = resolve_model_path(a.model)
     layout = ParallelLayout.from_config(cfg.model, info, a.tp)
     # trainer's order: engine, then policy
     engines = {}
-    for name in names:
+    for name in built:
         cfg.rollout.engine = name
-        engines[name] = build_engine(path, cfg.model, cfg.rollout, info.device, 0, layout.engine_group)
-    policy = Policy(path, cfg.model, cfg.optim, layout)
+        engines[name] = build_engine(path, lora_model if name == "vllm" and lora_model else cfg.model, cfg.rollout,
+                                     info.device, 0, layout.engine_group)
     dtype, bucket = getattr(torch, cfg.model.dtype), cfg.rollout.sync_bucket_mib << 20
 
     def timed(fn) -> list[float]:
@@ -79,22 +85,29 @@ def worker(a) -> None:
                 out.append(dt)
         return out
 
-    if a.lora_rank:
-        return lora_worker(a, info, engines[names[0]], policy, dtype, bucket, timed)
-    sync_s = {name: timed(lambda: e.load_weights(full_parameters(policy.model, dtype, bucket)))
-              for name, e in engines.items()}
-    gather_s = timed(lambda: [None for _ in full_parameters(policy.model, dtype, bucket)])
-    numel = sum(p.numel() for p in policy.model.parameters())  # unique (a tied head once), full sizes
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    src, dst = torch.randn(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
-    copy_s = timed(lambda: dst.copy_(src))
+    result = {}
+    if names:
+        policy = Policy(path, cfg.model, cfg.optim, layout)
+        sync_s = {name: timed(lambda: engines[name].load_weights(full_parameters(policy.model, dtype, bucket)))
+                  for name in names}
+        gather_s = timed(lambda: [None for _ in full_parameters(policy.model, dtype, bucket)])
+        numel = sum(p.numel() for p in policy.model.parameters())  # unique (a tied head once), full sizes
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        src, dst = torch.randn(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
+        copy_s = timed(lambda: dst.copy_(src))
+        result["resync"] = {name: {"sync_s": sync_s[name], "gather_s": gather_s, "copy_s": copy_s, "numel": numel,
+                                   "bytes": nbytes, "world_size": info.world_size, "tensor_parallel_size": a.tp,
+                                   "torch_threads": torch.get_num_threads(),
+                                   "bucket_mib": cfg.rollout.sync_bucket_mib}
+                            for name in names}
+        del policy
+    if lora_model:
+        policy = Policy(path, lora_model, cfg.optim, layout)
+        result["lora"] = lora_worker(a, info, engines["vllm"], policy, dtype, bucket, timed)
+        del policy
     if info.rank == 0:
         with open(a.out, "w") as f:
-            json.dump({name: {"sync_s": sync_s[name], "gather_s": gather_s, "copy_s": copy_s, "numel": numel,
-                              "bytes": nbytes, "world_size": info.world_size, "tensor_parallel_size": a.tp,
-                              "torch_threads": torch.get_num_threads(), "bucket_mib": cfg.rollout.sync_bucket_mib}
-                       for name in names}, f)
-    del policy
+            json.dump(result, f)
     if dist.is_initialized():
         barrier()
     for e in engines.values():
@@ -102,13 +115,13 @@ def worker(a) -> None:
     shutdown()
 
 
-def lora_worker(a, info, engine, policy, dtype, bucket, timed) -> None:
+def lora_worker(a, info, engine, policy, dtype, bucket, timed) -> dict:
     """Both LoRA resyncs on one engine: the adapter first (the engine still holds the base it
-    loaded), then merged weights served without the adapter."""
+    loaded, or the same base as the full-weight resyncs before it), then merged weights served
+    without the adapter."""
     import torch
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from distflow.distributed import shutdown
     from distflow.rollout.weight_sync import full_parameters, max_logprob_diff
     from distflow.train.lora import adapter_tensors
 
@@ -132,19 +145,14 @@ def lora_worker(a, info, engine, policy, dtype, bucket, timed) -> None:
     sync_s = timed(lambda: engine.load_adapter(adapter_tensors(policy.model), policy.adapter_config))
     out["modes"]["adapter"] = {"sync_s": sync_s, "bytes": sum(t.numel() * t.element_size() for t in adapters.values()),
                                "probe": max_logprob_diff(engine, policy, probe_seqs, 0),
-                               "generate_tokens_per_s": [generate_tps() for _ in range(3)]}
+                               "generate_tokens_per_s": [generate_tps() for _ in range(a.gen_rounds)]}
     engine.lora_request = None  # from here on the engine serves what load_weights gives it
     sync_s = timed(lambda: engine.load_weights(full_parameters(policy.model, dtype, bucket)))
     numel = sum(t.numel() for _, t in full_parameters(policy.model, dtype, bucket))
     out["modes"]["merged"] = {"sync_s": sync_s, "bytes": numel * torch.empty((), dtype=dtype).element_size(),
                               "probe": max_logprob_diff(engine, policy, probe_seqs, 0),
-                              "generate_tokens_per_s": [generate_tps() for _ in range(3)]}
-    if info.rank == 0:
-        with open(a.out, "w") as f:
-            json.dump(out, f)
-    del policy
-    engine.shutdown()
-    shutdown()
+                              "generate_tokens_per_s": [generate_tps() for _ in range(a.gen_rounds)]}
+    return out
 
 
 def lora_records(model: str, nproc: int, r: dict) -> tuple[list[dict], list[list]]:
@@ -176,47 +184,54 @@ def main() -> None:
     nprocs = [int(n) for n in (args.nprocs or ("1" if args.smoke else "1,2")).split(",")]
     iters = args.iters or (1 if args.smoke else 10)
     wd = C.work_dir(args, "sync")
-    records, rows = [], []
+    # One launch per configuration: the full-weight resyncs of every model, then the LoRA ones.
+    # --smoke joins the engines of one (nproc, k) in one launch and adds its LoRA rank to it.
+    launches = []
     for model in C.models(args):
-        configs = [(e, n, k) for e in args.engines.split(",") for n in nprocs
-                   for k in (tps if e == "vllm" else [1]) if n % k == 0]
-        launches = {}  # one launch per configuration; --smoke: the engines of one (nproc, k) share one
-        for e, n, k in configs:
-            launches.setdefault((e, n, k) if not args.smoke else (n, k), (n, k, []))[2].append(e)
-        for nproc, k, names in launches.values():
-            tag = f"{model}-{'-'.join(names)}-n{nproc}" + (f"-tp{k}" if k > 1 else "")
-            out = wd / f"{tag}.json"
-            C.fresh(out)
-            print(f"[sync] {model} engine={','.join(names)} nproc={nproc} tensor_parallel_size={k}", flush=True)
-            C.torchrun(__file__, ["--worker", "--model", model, "--engine", ",".join(names), "--iters", str(iters),
-                                  "--tp", str(k), "--dtype", args.dtype, "--out", str(out)], nproc, wd / f"{tag}.log")
-            results = json.loads(out.read_text())
-            for engine in names:
-                r = results[engine]
-                sync, gather, copy = (statistics.median(r[k]) for k in ("sync_s", "gather_s", "copy_s"))
-                ratios = [s / copy for s in r["sync_s"]]
-                rec = {"model": model, "engine": engine, "processes": nproc, "tensor_parallel_size": k,
-                       "bytes": r["bytes"],
-                       "sync_s_median": sync, "gather_s_median": gather, "copy_s_median": copy,
-                       "ratio_median": sync / copy, "ratio_min": min(ratios), "ratio_max": max(ratios),
-                       "copy_gb_per_s": r["bytes"] / copy / 1e9, "iters": iters, "raw": r}
-                records.append(rec)
-                rows.append([model, engine, nproc, k, r["bytes"] / 2**20, sync * 1e3, gather * 1e3, copy * 1e3,
-                             rec["ratio_median"], GOAL])
-    print(C.table(["model", "engine", "procs", "k", "MiB", "resync ms", "gather ms", "copy ms", "ratio", "goal"], rows))
-    lora, lora_rows = [], []
-    for model in C.models(args):
-        for nproc, rank in [(n, r) for n in nprocs for r in lora_ranks] if "vllm" in args.engines.split(",") else []:
-            tag = f"{model}-lora{rank}-n{nproc}"
-            out = wd / f"{tag}.json"
-            C.fresh(out)
-            print(f"[sync] {model} LoRA rank {rank} nproc={nproc}: adapter and merged resyncs", flush=True)
-            C.torchrun(__file__, ["--worker", "--model", model, "--engine", "vllm", "--iters", str(iters),
-                                  "--lora-rank", str(rank), "--dtype", args.dtype, "--out", str(out)], nproc,
-                       wd / f"{tag}.log")
-            recs, more = lora_records(model, nproc, json.loads(out.read_text()))
+        for e, n, k in [(e, n, k) for e in args.engines.split(",") for n in nprocs
+                        for k in (tps if e == "vllm" else [1]) if n % k == 0]:
+            host = next((x for x in launches if args.smoke and (x["model"], x["nproc"], x["k"]) == (model, n, k)), None)
+            if host:
+                host["engines"].append(e)
+            else:
+                launches.append({"model": model, "nproc": n, "k": k, "engines": [e], "lora": 0})
+    for model in C.models(args) if "vllm" in args.engines.split(",") else []:
+        for n, rank in [(n, r) for n in nprocs for r in lora_ranks]:
+            host = next((x for x in launches if args.smoke and not x["lora"]
+                         and (x["model"], x["nproc"], x["k"]) == (model, n, 1)), None)
+            if host:
+                host["lora"] = rank
+            else:
+                launches.append({"model": model, "nproc": n, "k": 1, "engines": [], "lora": rank})
+    records, rows, lora, lora_rows = [], [], [], []
+    for launch in launches:
+        model, nproc, k, names, rank = (launch[x] for x in ("model", "nproc", "k", "engines", "lora"))
+        tag = "-".join([model, *names, *([f"lora{rank}"] if rank else []), f"n{nproc}", *([f"tp{k}"] if k > 1 else [])])
+        out = wd / f"{tag}.json"
+        C.fresh(out)
+        print(f"[sync] {model} engine={','.join(names) or 'vllm'} nproc={nproc} tensor_parallel_size={k}"
+              + (f", LoRA rank {rank}: adapter and merged resyncs" if rank else ""), flush=True)
+        C.torchrun(__file__, ["--worker", "--model", model, "--engine", ",".join(names), "--iters", str(iters),
+                              "--tp", str(k), "--lora-rank", str(rank), "--gen-rounds", "1" if args.smoke else "3",
+                              "--dtype", args.dtype, "--out", str(out)], nproc, wd / f"{tag}.log")
+        results = json.loads(out.read_text())
+        for engine in names:
+            r = results["resync"][engine]
+            sync, gather, copy = (statistics.median(r[x]) for x in ("sync_s", "gather_s", "copy_s"))
+            ratios = [s / copy for s in r["sync_s"]]
+            rec = {"model": model, "engine": engine, "processes": nproc, "tensor_parallel_size": k,
+                   "bytes": r["bytes"],
+                   "sync_s_median": sync, "gather_s_median": gather, "copy_s_median": copy,
+                   "ratio_median": sync / copy, "ratio_min": min(ratios), "ratio_max": max(ratios),
+                   "copy_gb_per_s": r["bytes"] / copy / 1e9, "iters": iters, "raw": r}
+            records.append(rec)
+            rows.append([model, engine, nproc, k, r["bytes"] / 2**20, sync * 1e3, gather * 1e3, copy * 1e3,
+                         rec["ratio_median"], GOAL])
+        if rank:
+            recs, more = lora_records(model, nproc, results["lora"])
             lora += recs
             lora_rows += more
+    print(C.table(["model", "engine", "procs", "k", "MiB", "resync ms", "gather ms", "copy ms", "ratio", "goal"], rows))
     if lora_rows:
         print(C.table(["model", "procs", "lora rank", "resync", "MiB", "resync ms", "probe", "gen tok/s"], lora_rows))
     # Headline: the vLLM engine (the default) on the largest model measured, 1 process (no all-gather).
@@ -238,6 +253,7 @@ if __name__ == "__main__":
         ap.add_argument("--iters", type=int, default=5)
         ap.add_argument("--tp", type=int, default=1)
         ap.add_argument("--lora-rank", type=int, default=0)
+        ap.add_argument("--gen-rounds", type=int, default=3, help="timed generations after each LoRA resync")
         ap.add_argument("--dtype", default="auto")
         ap.add_argument("--worker", action="store_true")
         worker(ap.parse_args())

@@ -169,7 +169,7 @@ def worker(a) -> None:
 
     pairs = [(v, m) for m in modes for v in variants]
     times = {m: {v: {"backward_s": [], "optimizer_s": [], "update_s": []} for v in variants} for m in modes}
-    for v, m in pairs if a.iters else ():  # warm-up: optimizer state, allocator
+    for v, m in pairs if a.iters and not a.no_warmup else ():  # warm-up: optimizer state, allocator
         one_update(v, m)
     for i in range(a.iters):
         for v, m in pairs if i % 2 == 0 else pairs[::-1]:
@@ -281,7 +281,7 @@ def main() -> None:
                                       "--response-spread", str(response_spread), "--micro-batch-size", str(mbs),
                                       "--profile", str(args.profile), "--dtype", dtype, "--out", str(out),
                                       "--shared-prefix", ",".join(mode_list), "--variants", ",".join(var),
-                                      *(["--memory"] if measure else [])],
+                                      *(["--memory"] if measure else []), *(["--no-warmup"] if args.smoke else [])],
                            nproc, wd / f"{name}.log", extra_env=MALLOC_ENV if measure else None)
                 return json.loads(out.read_text())
 
@@ -355,7 +355,7 @@ if __name__ == "__main__":
         for flag in ("--iters", "--seqs", "--group-size", "--prompt-len", "--prompt-spread", "--response-len",
                      "--response-spread", "--micro-batch-size", "--profile"):
             ap.add_argument(flag, type=int, required=True)
-        for flag in ("--worker", "--memory"):
+        for flag in ("--worker", "--memory", "--no-warmup"):
             ap.add_argument(flag, action="store_true")
         worker(ap.parse_args())
     else:
