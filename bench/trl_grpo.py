@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 from datasets import Dataset
 from transformers import AutoTokenizer, TrainerCallback
-from trl import GRPOConfig, GRPOTrainer
 
 from distflow.rewards.numeric import numeric_match
 
@@ -48,7 +47,7 @@ class StepTimer(TrainerCallback):
                            "num_tokens": float(state.num_input_tokens_seen)})
 
 
-def precision(trainer: GRPOTrainer) -> dict:
+def precision(trainer) -> dict:
     """What --bf16 did: the weights' dtype and whether accelerate autocasts the forward."""
     acc = trainer.accelerator
     return {"param_dtype": str(next(trainer.model.parameters()).dtype).removeprefix("torch."),
@@ -69,7 +68,15 @@ def main() -> None:
     p.add_argument("--bf16", action="store_true", help="bf16 autocast over fp32 weights (GRPOConfig bf16=True)")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--hide-vllm", action="store_true",
+                   help="tell TRL vLLM is not installed: it imports vLLM whenever it is, even with use_vllm=False, "
+                        "which costs seconds of start-up (vs_trl.py --smoke)")
     a = p.parse_args()
+    if a.hide_vllm:
+        import trl.import_utils as trl_import_utils
+
+        trl_import_utils.is_vllm_available = lambda *_, **__: False
+    from trl import GRPOConfig, GRPOTrainer
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     global_batch = a.prompts_per_step * a.num_generations

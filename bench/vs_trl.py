@@ -47,13 +47,14 @@ def run_distflow(model: str, nproc: int, steps: int, s: dict, wd, tag: str, engi
             "command": f"torchrun --standalone --nproc_per_node {nproc} recipes/grpo.py " + " ".join(overrides)}
 
 
-def run_trl(model_path: str, nproc: int, steps: int, s: dict, wd, tag: str, dtype: str) -> dict:
+def run_trl(model_path: str, nproc: int, steps: int, s: dict, wd, tag: str, dtype: str, smoke: bool = False) -> dict:
     out = wd / f"trl-{tag}.json"
     C.fresh(out, wd / f"trl-{tag}")
     args = ["--model-path", model_path, "--data", str(C.ARITH), "--system-prompt", C.SYSTEM_PROMPT,
             "--num-generations", str(s["group_size"]), "--prompts-per-step", str(s["prompts_per_step"]),
             "--max-completion-length", str(s["max_new_tokens"]), "--lr", str(s["lr"]), "--steps", str(steps),
-            "--output-dir", str(wd / f"trl-{tag}"), "--out", str(out), *(["--bf16"] if dtype == "bfloat16" else [])]
+            "--output-dir", str(wd / f"trl-{tag}"), "--out", str(out), *(["--bf16"] if dtype == "bfloat16" else []),
+            *(["--hide-vllm"] if smoke else [])]
     wall = C.torchrun(C.BENCH / "trl_grpo.py", args, nproc, wd / f"trl-{tag}.log")
     rec = json.loads(out.read_text())
     ms = rec["steps"][1:]
@@ -98,7 +99,8 @@ def main() -> None:
                     print(f"[vs_trl] {model} nproc={nproc} {args.dtype} repeat {r + 1}/{repeats}: {who}", flush=True)
                     load = C.loadavg()
                     out = (run_distflow(model, nproc, measured + 1, s, wd, tag, C.engine(args), args.dtype)
-                           if who == "distflow" else run_trl(path, nproc, measured + 1, s, wd, tag, args.dtype))
+                           if who == "distflow" else
+                           run_trl(path, nproc, measured + 1, s, wd, tag, args.dtype, args.smoke))
                     return {**out, "loadavg_1m": [load, C.loadavg()]}  # machine load (others' jobs) before / after
 
                 # --smoke launches both at once: it checks that they run, not how fast
