@@ -25,7 +25,9 @@ be served with LoRA on (check_adapter_resync).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 from typing import Iterable
 
 import torch
@@ -116,6 +118,29 @@ def check_adapter_resync(config, on_cpu: bool) -> None:
                           "(its mixture-of-experts layers need Triton with LoRA on); use model.lora.resync=merged")
 
 
+def clear_stale_cpu_shm(rank: int, tp: int, shm_dir: str = "/dev/shm") -> list[str]:
+    """Remove the shared-memory segments a dead earlier launch left for this rank's vLLM-CPU
+    tensor-parallel group; return their names.
+
+    Under the external launcher vLLM-CPU names each rank's segment after the global ranks of its
+    group, a per-process group counter and the rank's place in the group ("-tp:14-[0-1]-cpushm_0"),
+    with nothing that tells one launch from the next. A rank that ends without running its C++
+    destructors (SIGKILL after a peer failed, os._exit) leaves its segment behind, and the next
+    launch on the machine that draws the same counter fails with "create shm in SHMManager failed.
+    errno: 17". Only names of that exact form are touched; a live engine that still maps one keeps
+    its mapping (an unlinked segment lives until its last mapping goes), and its ranks have joined
+    each other's segments by the time construction returns, so nothing reopens the name later.
+    """
+    first = rank - rank % tp
+    ranks = "-".join(str(r) for r in range(first, first + tp))
+    pattern = re.compile(rf"-tp:\d+-\[{ranks}\]-cpushm_{rank % tp}")
+    stale = [name for name in os.listdir(shm_dir) if pattern.fullmatch(name)] if os.path.isdir(shm_dir) else []
+    for name in stale:
+        with contextlib.suppress(FileNotFoundError):  # a launch starting beside this one may clear it first
+            os.unlink(os.path.join(shm_dir, name))
+    return stale
+
+
 def _repack_tied_lm_head(worker) -> None:
     """On CPU vLLM pre-packs linear weights; a head tied to the embedding must be re-packed
     after the embedding changed, or generation keeps using the old head."""
@@ -181,6 +206,8 @@ class VLLMEngine:
             self.head_adapted = "lm_head" in targets
             self.adapter_folder = AdapterFolder(torch_dtype(model.dtype, device))
         kwargs.update(memory_kwargs(rollout, on_cpu))
+        if on_cpu and rollout.tensor_parallel_size > 1:
+            clear_stale_cpu_shm(torch.distributed.get_rank(), rollout.tensor_parallel_size)
         self.llm = LLM(**kwargs)
         self.tied_head = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
         self.sleeping = False
