@@ -198,3 +198,32 @@ def test_memory_smoke(tmp_path):
         assert rank["calls"]["update"] == rank["calls"]["sync"] == 2
         after = rank["end_of_phase"]["startup"]
         assert 0 < after["anon"] <= after["rss"] and _positive(after["pss"])
+
+
+def test_bf16_fidelity_smoke(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from distflow.models.tiny import resolve_model_path
+
+    # two finished runs' folders: the update of one is far above a bf16 ulp, the other's far below
+    start = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny"), dtype=torch.float32)
+    runs = []
+    for name, scale in (("large", 1e-1), ("small", 1e-7)):
+        model = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny"), dtype=torch.float32)
+        with torch.no_grad():
+            for p, p0 in zip(model.parameters(), start.parameters()):
+                p.copy_(p0 + scale * p0.abs().clamp(min=1e-3) * torch.randn_like(p0))
+        model.save_pretrained(tmp_path / name / "hf_model")
+        (tmp_path / name / "config.json").write_text(json.dumps({"model": {"path": "tiny"}}))
+        runs.append(str(tmp_path / name))
+    out = run_bench("bf16_fidelity", tmp_path, "--runs", *runs)
+    grads = out["gradients"]
+    assert set(grads) == {"float32 at bf16-rounded weights", "bf16 compute, float32 head", "bf16 compute, bf16 head"}
+    for name, g in grads.items():
+        # bf16 changes a gradient by rounding, not in direction; NaN or a broken bf16 path fails these
+        assert 0.9 < g["cosine"] <= 1 + 1e-9 and 0.5 < g["norm_ratio"] < 2, (name, g)
+        assert 0.5 < g["sign_agreement"] <= 1 and -1 <= g["adam_step1_cosine"] <= 1, (name, g)
+    large, small = out["runs"]
+    assert large["visible"] > 0.9 and abs(large["kept"] - 1) < 0.05, large
+    assert small["visible"] < 0.05, small  # most updates below half an ulp leave the bf16 value as it was
