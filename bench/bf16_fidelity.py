@@ -64,13 +64,12 @@ def sampled_batch(model_path: str, prompts: int, group: int, max_new: int, seed:
     return samples, adv
 
 
-def gradient(info, model_path: str, samples, adv, group: int, dtype: str, round_weights: bool, head_float32: bool):
-    """The policy loss's full gradient on one process (`info`), flattened, in float64."""
+def gradient(info, model_path: str, batch, group: int, dtype: str, round_weights: bool, head_float32: bool):
+    """The policy loss's full gradient over `batch` on one process (`info`), flattened, in float64."""
     import torch
 
     from distflow.config import DistflowConfig
     from distflow.distributed.layout import ParallelLayout
-    from distflow.train.batch import UpdateBatch
     from distflow.train.policy import Policy
     from distflow.train.update import Updater
 
@@ -78,14 +77,12 @@ def gradient(info, model_path: str, samples, adv, group: int, dtype: str, round_
     cfg.model.dtype, cfg.model.logprob_head_float32 = dtype, head_float32
     cfg.model.shard_ranks = 1
     cfg.algorithm.group_size = group
-    cfg.optim.micro_batch_size = len(samples)
+    cfg.optim.micro_batch_size = len(batch)
     policy = Policy(model_path, cfg.model, cfg.optim, ParallelLayout.from_config(cfg.model, info))
     if round_weights:
         with torch.no_grad():
             for p in policy.model.parameters():
                 p.copy_(p.bfloat16().float())
-    batch = UpdateBatch.from_samples(samples, 0, info.device)
-    batch = batch.with_(advantages=adv[:, None] * batch.tokens.resp_mask)
     Updater(cfg, 0).backward_policy(policy, batch, list(range(len(batch))))
     grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in policy.model.parameters()]
     return torch.cat([g.flatten() for g in grads]).double()
@@ -142,18 +139,23 @@ def main() -> None:
     a = p.parse_args()
     if a.smoke:
         a.prompts, a.group_size, a.max_new_tokens = 2, 2, 8
-    model = a.models or ("tiny" if a.smoke else "smollm2_135m")
+    names = C.models(a) if a.models else ["tiny" if a.smoke else "smollm2_135m"]
+    if len(names) != 1:
+        p.error(f"--models takes one model here, got {names}")
+    model = names[0]
     path = C.resolve_model(model)  # puts src/ on the path
     from distflow.distributed import init_distributed, shutdown
+    from distflow.train.batch import UpdateBatch
 
     samples, adv = sampled_batch(path, a.prompts, a.group_size, a.max_new_tokens, a.seed)
     info = init_distributed("gloo", "cpu")  # one process
-    ref = gradient(info, path, samples, adv, a.group_size, "float32", False, True)
-    grads = {name: compare(ref, gradient(info, path, samples, adv, a.group_size, *spec))
-             for name, spec in GRADIENTS.items()}
+    batch = UpdateBatch.from_samples(samples, 0, info.device)
+    batch = batch.with_(advantages=adv[:, None] * batch.tokens.resp_mask)
+    response_tokens = sum(len(s.response_ids) for s in samples)
+    ref = gradient(info, path, batch, a.group_size, "float32", False, True)
+    grads = {name: compare(ref, gradient(info, path, batch, a.group_size, *spec)) for name, spec in GRADIENTS.items()}
     shutdown()
-    print(f"{model}: {len(samples)} samples, {sum(len(s.response_ids) for s in samples)} response tokens; "
-          "each gradient against float32's")
+    print(f"{model}: {len(samples)} samples, {response_tokens} response tokens; each gradient against float32's")
     print(C.table(["gradient", "cosine", "norm ratio", "sign agreement", "AdamW step-1 cosine"],
                   [[n, *(f"{g[k]:.4f}" for k in ("cosine", "norm_ratio", "sign_agreement", "adam_step1_cosine"))]
                    for n, g in grads.items()]))
@@ -165,7 +167,7 @@ def main() -> None:
                         r["visible_large"]] for r in runs]))
     C.write_json(a.results_dir, "bf16_fidelity", {
         "smoke": a.smoke, "model": model, "machine": C.machine(), "samples": len(samples),
-        "response_tokens": sum(len(s.response_ids) for s in samples), "gradients": grads, "runs": runs})
+        "response_tokens": response_tokens, "gradients": grads, "runs": runs})
 
 
 if __name__ == "__main__":
