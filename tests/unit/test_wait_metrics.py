@@ -25,8 +25,8 @@ class QueuedWork:
 
 def test_wait_clock_counts_until_an_asynchronous_collective_completes():
     before = dd.waited_s()
-    works = [QueuedWork(0.05), QueuedWork(0.2)]
-    with dd.waiting():
+    with dd.waiting():  # the handles are made inside the clock, so it spans their whole delay
+        works = [QueuedWork(0.05), QueuedWork(0.2)]
         dd.complete(works)
     assert all(w.waited and w.is_completed() for w in works)
     assert dd.waited_s() - before >= 0.2  # wait() alone would have returned at once
