@@ -131,4 +131,14 @@ if __name__ == "__main__":
     from torch.distributed.elastic.multiprocessing.errors import record
 
     _prepare_argv()
-    record(main)()
+    try:
+        record(main)()
+    except SystemExit as e:
+        if not isinstance(e.code, int):  # a message (or None): the interpreter prints and exits as usual
+            raise
+        status = e.code
+    else:
+        status = 0
+    from distflow.run.exit import exit_process
+
+    exit_process(status)  # a finished rank: skip the interpreter's teardown of torch and vLLM
