@@ -131,5 +131,8 @@ if __name__ == "__main__":
             ap.add_argument(flag, type=int, required=True)
         ap.add_argument("--worker", action="store_true")
         worker(ap.parse_args())
+        from distflow.run.exit import exit_process
+
+        exit_process(0)  # the measured ranks are done: skip the interpreter's teardown of torch and vLLM
     else:
         main()

@@ -166,5 +166,8 @@ if __name__ == "__main__":
                         help="comma list of model.meta_device_init values, measured one after the other")
         ap.add_argument("--worker", action="store_true")
         worker(ap.parse_args())
+        from distflow.run.exit import exit_process
+
+        exit_process(0)  # the measured ranks are done: skip the interpreter's teardown of torch and vLLM
     else:
         main()

@@ -358,5 +358,8 @@ if __name__ == "__main__":
         for flag in ("--worker", "--memory", "--no-warmup"):
             ap.add_argument(flag, action="store_true")
         worker(ap.parse_args())
+        from distflow.run.exit import exit_process
+
+        exit_process(0)  # the measured ranks are done: skip the interpreter's teardown of torch and vLLM
     else:
         main()

@@ -159,5 +159,8 @@ if __name__ == "__main__":
         for name in ("--seqs", "--prompt-tokens", "--response-tokens"):
             wp.add_argument(name, type=int, required=True)
         worker(wp.parse_args())
+        from distflow.run.exit import exit_process
+
+        exit_process(0)  # the measured ranks are done: skip the interpreter's teardown of torch and vLLM
     else:
         main()
