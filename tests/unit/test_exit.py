@@ -20,6 +20,9 @@ def test_exit_process_joins_threads_runs_atexit_flushes_and_keeps_the_status(tmp
             time.sleep(0.3)
             sys.stdout.write("thread done\\n")
         threading.Thread(target=late).start()
+        from concurrent.futures import ThreadPoolExecutor
+        pool = ThreadPoolExecutor(1)  # an idle worker (non-daemon): the interpreter's exit hook stops it
+        pool.submit(lambda: None).result()
         sys.stdout.write("no newline yet")  # a block-buffered pipe: only a flush delivers it
         class Finalizer:
             def __del__(self, write=open({str(tmp_path / "teardown.txt")!r}, "w").write):

@@ -23,11 +23,9 @@ def exit_process(status: int) -> NoReturn:
     non-daemon threads are joined, the atexit handlers run (logging's flush of every rank log,
     wandb's finish, multiprocessing's reaping of children, finalizers, a benchmark's hooks), and
     stdout and stderr are flushed. Only then does the process end, with `os._exit`."""
-    main = threading.main_thread()
-    for thread in threading.enumerate():
-        if thread is not main and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()  # what Py_Finalize calls first; the handlers run once, then are cleared
+    threading._shutdown()  # what Py_Finalize does first: threading's exit hooks (which stop idle executor
+    # workers), then a join of every non-daemon thread
+    atexit._run_exitfuncs()  # what it does next; the handlers run once, then are cleared
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
