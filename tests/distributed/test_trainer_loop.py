@@ -127,6 +127,8 @@ def REFUSALS(tmp: Path) -> dict[str, tuple[list[str], dict, str]]:  # noqa: N802
                         "model.lora.target_modules=['no_such_proj']"),
         "router_coef": (["model.router_aux_loss_coef=0.01"], {}, "model.router_aux_loss_coef=0.01 but qwen2 has no "
                         "experts to balance (a mixture-of-experts model only)"),
+        "reward_import": (["task.reward=no_such_module_for_distflow:score"], {},
+                          "task.reward 'no_such_module_for_distflow:score' cannot be imported"),
         "env_import": (["task.env=no_such_module_for_distflow:Env", "rollout.max_turns=2"], {},
                        "task.env 'no_such_module_for_distflow:Env' cannot be imported"),
         "gpus_visible": ([], {"CUDA_VISIBLE_DEVICES": "0,1", "SLURM_GPUS_ON_NODE": "2"},

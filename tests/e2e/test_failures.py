@@ -51,11 +51,6 @@ def test_a_config_mistake_through_local_sh_is_one_line_and_exit_2(tmp_path, mist
     assert not out.exists()
 
 
-def test_reward_that_does_not_import_stops_the_ranks(tmp_path):
-    proc = fail_run(["task.reward=no_such_module_for_distflow:score"], tmp_path)
-    assert_clean_failure(proc, "distflow: error: task.reward 'no_such_module_for_distflow:score' cannot be imported")
-
-
 @pytest.mark.slow
 def test_killed_rank_is_restarted_and_resumes(tmp_path):
     out = tmp_path / "run"
@@ -116,10 +111,13 @@ def test_raising_rank_fails_the_job_with_its_error_and_a_second_launch_meanwhile
     assert [r["step"] for r in read_metrics(out)] == [1]
 
 
-def test_multirun_under_torchrun_is_refused(tmp_path):
-    proc = torchrun(["-m", "experiment=smoke", f"run.output_dir={tmp_path}"], timeout=120)
+def test_multirun_under_torchrun_is_refused_and_old_spellings_are_noted_once(tmp_path):
+    proc = torchrun(["-m", "experiment=smoke", f"trainer.output_dir={tmp_path}", "trainer.steps=1"], timeout=120)
     assert proc.returncode != 0
     assert "multirun (-m) is not supported under torchrun" in proc.stderr
+    # the old spellings are renamed first, and said once (by rank 0), not once per rank
+    for note in ("trainer.output_dir is deprecated: use run.output_dir", "trainer.steps is deprecated: use run.steps"):
+        assert proc.stderr.count(f"distflow: warning: {note}") == 1, proc.stderr[-2000:]
 
 
 def test_nodes_launched_with_different_configs_are_refused(tmp_path):

@@ -27,7 +27,6 @@ KINDS = {"make": "make ", "cpu": (".venv/bin/torchrun", "launch/local.sh"), "gpu
 
 # Commands another e2e test runs as its own launch, with many more checks than one step here.
 RUN_ELSEWHERE = {
-    ".venv/bin/torchrun --standalone --nproc_per_node=2 recipes/grpo.py experiment=smoke": "e2e/test_smoke.py",
     "launch/local.sh 2 experiment=smoke": "e2e/test_smoke.py",
     ".venv/bin/torchrun --standalone --nproc_per_node=2 recipes/grpo.py experiment=tools_smoke": "e2e/test_tools_runs.py",
 }
@@ -35,6 +34,8 @@ RUN_ELSEWHERE = {
 
 # Commands whose run would differ from a launched line only in its task (data and rewards).
 TASK_ONLY = {
+    ".venv/bin/torchrun --standalone --nproc_per_node=2 recipes/grpo.py experiment=smoke":
+        "the smoke task's own reward; the line adding the user's weighted reward launches it under torchrun",
     ".venv/bin/torchrun --standalone --nproc_per_node=2 recipes/grpo.py experiment=smoke  task=jsonl "
     "task.path=recipes/data/gsm8k_sample.jsonl task.prompt_key=question task.answer_key=answer task.reward=gsm8k":
         "a file task with a built-in reward",

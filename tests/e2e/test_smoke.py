@@ -2,9 +2,9 @@
 
 The docs' launch/local.sh line, run straight through with its output into a file, checks what a
 healthy run writes and what its console shows, and that the CLI export of its last checkpoint
-equals its end-of-run export. The README's torchrun line (spelled with the old trainer.* keys)
-runs one step on padded rows (optim.shared_prefix=off): it must take the packed run's first step.
-Resuming bit-exactly is checked by the other engine runs (e2e/test_tensor_parallel_runs.py,
+equals its end-of-run export. Padded rows taking the packed rows' step is checked in-process
+(distributed/test_trainer_loop.py, test_shared_prefix.py); the old trainer.* spellings under
+torchrun by e2e/test_failures.py. Resuming bit-exactly is checked by the other engine runs (e2e/test_tensor_parallel_runs.py,
 test_lora_runs.py, test_tools_runs.py, test_preemption_runs.py), each of which stops and continues.
 """
 
@@ -30,7 +30,6 @@ REQUIRED_KEYS = [
     "timing/logprob_s", "timing/update_s", "timing/sync_s", "timing/step_s", "throughput/tokens_per_s",
     "throughput/generate_tokens_per_s", "throughput/update_tokens_per_s", "sync/max_abs_logprob_diff", "loss/policy", "grad_norm", "lr",
 ]
-TORCHRUN = doc_command(".venv/bin/torchrun --standalone --nproc_per_node=2 recipes/grpo.py experiment=smoke")
 LOCAL_SH = doc_command("launch/local.sh 2 experiment=smoke")
 EXTRA = ["model.dtype=float32", "task.reward=rewards_for_tests:digit_fraction", "checkpoint.every=2"]
 
@@ -47,10 +46,7 @@ def runs(tmp_path_factory):
     # the straight run: the quiet launcher, its output into a file as `... > log 2>&1` (a batch
     # log, nohup, CI) would have it
     procs = {"straight": _run(LOCAL_SH, tmp, f"run.output_dir={tmp / 'straight'}", "run.steps=4",
-                              "checkpoint.export_at_end=true", log_file=tmp / "straight.log"),
-             # one padded row per sample: the same samples, so the same first step; the old spellings still work
-             "padded": _run(TORCHRUN, tmp, f"trainer.output_dir={tmp / 'padded'}", "trainer.steps=1",
-                            "optim.shared_prefix=off")}
+                              "checkpoint.export_at_end=true", log_file=tmp / "straight.log")}
     return tmp, procs
 
 
@@ -110,18 +106,3 @@ def test_the_last_checkpoint_exports_the_weights_the_run_exported(runs, tmp_path
     wa, wc = load_file(straight / "hf_model" / "model.safetensors"), load_file(cli / "model.safetensors")
     assert wa.keys() == wc.keys() and all(torch.equal(wa[k], wc[k]) for k in wa)
     assert (cli / "tokenizer.json").is_file() and (cli / "chat_template.jinja").is_file()
-
-
-def test_the_old_spellings_still_work(runs):
-    old = runs[1]["padded"].stderr
-    assert old.count("distflow: warning: trainer.output_dir is deprecated: use run.output_dir") == 1, old[-2000:]
-    assert old.count("distflow: warning: trainer.steps is deprecated: use run.steps") == 1, old[-2000:]
-
-
-def test_packed_rows_take_the_step_padded_rows_take(runs):
-    tmp, _ = runs
-    packed, padded = read_metrics(tmp / "straight")[0], read_metrics(tmp / "padded")[0]
-    for key in ("reward/mean", "response_length/mean", "loss/policy", "grad_norm"):
-        assert packed[key] == pytest.approx(padded[key], rel=1e-5, abs=1e-8), (key, packed[key], padded[key])
-    assert max(packed["sync/max_abs_logprob_diff"], padded["sync/max_abs_logprob_diff"]) <= 1e-5
-    assert packed["update/forward_tokens"] < padded["update/forward_tokens"]
