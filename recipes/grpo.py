@@ -134,11 +134,11 @@ if __name__ == "__main__":
     try:
         record(main)()
     except SystemExit as e:
-        if not isinstance(e.code, int):  # a message (or None): the interpreter prints and exits as usual
+        if e.code not in (0, None):
+            # Any other end keeps the interpreter's exit: torchrun stops the other ranks as soon as
+            # one exits non-zero, and a peer still on its way to its own error line (or flushing
+            # its stop report) gets the teardown's time to finish it.
             raise
-        status = e.code
-    else:
-        status = 0
     from distflow.run.exit import exit_process
 
-    exit_process(status)  # a finished rank: skip the interpreter's teardown of torch and vLLM
+    exit_process(0)  # every rank finished: torchrun waits for all, so skip the interpreter's teardown
