@@ -4,8 +4,9 @@ The docs' launch/local.sh line, run straight through with its output into a file
 healthy run writes and what its console shows, and that the CLI export of its last checkpoint
 equals its end-of-run export. Padded rows taking the packed rows' step is checked in-process
 (distributed/test_trainer_loop.py, test_shared_prefix.py); the old trainer.* spellings under
-torchrun by e2e/test_failures.py. Resuming bit-exactly is checked by the other engine runs (e2e/test_tensor_parallel_runs.py,
-test_lora_runs.py, test_tools_runs.py, test_preemption_runs.py), each of which stops and continues.
+torchrun by e2e/test_failures.py. Resuming bit-exactly is checked by the other engine runs
+(e2e/test_tensor_parallel_runs.py, test_lora_runs.py, test_tools_runs.py, test_preemption_runs.py),
+each of which stops and continues.
 """
 
 import importlib.util
