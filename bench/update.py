@@ -18,6 +18,9 @@ rank, cycling through the (variant, shared-prefix mode) pairs so machine noise h
 The first three share one policy, `default` has its own (same weights): the all-reduce path is
 fixed when a policy is sharded. With one process there is no all-reduce: fsdp = default.
 
+Host memory is set up as in a training run: the trainer's `run.host_mmap_threshold_kib` and
+huge pages for large tensors (distflow.run.hugepages); both decide how often fresh pages fault in.
+
 `--shape` picks the batch (per rank): `arith` (default; the lever comparison: 8 samples of one
 prompt each, prompts 40-48 tokens, responses 16-32, micro-batches of 2), or a grouped shape for
 `--shared-prefix off,on` (then the default): `demo` (SmolLM2's demo: 2 prompts x G=4, prompts
@@ -39,8 +42,10 @@ each mode in a fresh process (`--smoke`: inside the timing launch, before the ti
 `--iters 0` skips the timing.
 
 `--profile N` also runs one more `default` update under torch.profiler after the timed ones and
-prints rank 0's N ops with the most self CPU time (a copy goes to the work dir as
-`<model>-n<N>-profile.txt`); the profiled update is not among the timed ones.
+prints rank 0's N ops with the most self CPU time, then its N costliest (op, input shapes,
+caller) triples, the caller being the nearest distflow, FSDP, autograd, checkpoint or optimizer
+frame: that tells FSDP2's gradient copies from its parameter casts. A copy goes to the work dir
+as `<model>-n<N>-profile.txt`; the profiled update is not among the timed ones.
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ def worker(a) -> None:
 
     from distflow.config import DistflowConfig
     from distflow.distributed import all_reduce, barrier, init_distributed, shutdown
+    from distflow.distributed.hostmem import limit_malloc_retention
     from distflow.distributed.layout import ParallelLayout
     from distflow.models.tiny import resolve_model_path
     from distflow.train.batch import UpdateBatch
@@ -104,6 +110,8 @@ def worker(a) -> None:
     # one policy serves both modes: installed, its padded passes run the model's own attention
     cfg.optim.shared_prefix = "on" if "on" in modes else "off"
     info = init_distributed("gloo", "cpu")
+    if not a.memory:  # the trainer's host-memory setting; --memory keeps the launch's (exact RSS)
+        limit_malloc_retention(cfg.run.host_mmap_threshold_kib)
     policies = {}
     for sync, needed in (("fsdp", any(v != "default" for v in variants)),
                          ("bucketed", "default" in variants or a.memory)):
@@ -178,10 +186,11 @@ def worker(a) -> None:
     if a.profile and a.iters:
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True) as prof:
             one_update("default" if "default" in variants else variants[0], modes[0])
         if info.rank == 0:
             table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.profile)
+            table += "\n" + by_caller(prof.events(), a.profile)
             with open(a.out.removesuffix(".json") + "-profile.txt", "w") as f:
                 f.write(table)
     sample_tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
@@ -220,6 +229,32 @@ def summarize(r: dict, modes: list[str], variants: list[str]) -> dict:
         if mode in r["memory"]:
             out[mode]["memory"] = r["memory"][mode]
     return out
+
+
+# Frames that say who asked for an op (the first of them, walking out from the op); the
+# torch.nn.modules frames in between (a Linear's forward, ...) say nothing here.
+CALLERS = ("distflow/", "fsdp/", "autograd", "torch/utils/checkpoint", "torch/optim", "torch/nn/utils")
+
+
+def by_caller(events, rows: int) -> str:
+    """Self CPU time per (op, input shapes, nearest calling frame): which code a `copy_` or `mm`
+    comes from, not only how long all of them took together."""
+    totals: dict[tuple[str, str, str], list] = {}
+    for e in events:
+        if e.device_type.name != "CPU" or not e.name.startswith("aten::"):
+            continue
+        caller, q = "?", e.cpu_parent
+        while q is not None:
+            if any(c in q.name for c in CALLERS) and "nn/modules" not in q.name:
+                caller = q.name.split("site-packages/")[-1].split("src/")[-1]
+                break
+            q = q.cpu_parent
+        t = totals.setdefault((e.name, str(e.input_shapes[:2]), caller), [0.0, 0])
+        t[0] += e.self_cpu_time_total / 1e3
+        t[1] += 1
+    top = sorted(totals.items(), key=lambda kv: -kv[1][0])[:rows]
+    return "self ms  calls  op [input shapes]  <- nearest caller\n" + "\n".join(
+        f"{ms:7.1f} {n:6d}  {op} {shapes}  <- {caller}" for (op, shapes, caller), (ms, n) in top)
 
 
 def main() -> None:

@@ -141,6 +141,9 @@ def test_update_smoke(tmp_path):
     out = run_bench("update", tmp_path, "--profile", "5", "--shared-prefix", "off,on", "--group-size", "4", "--memory")
     profile = (tmp_path / "work" / "tiny-n2-float32-profile.txt").read_text()
     assert "Self CPU" in profile and len(profile.splitlines()) >= 5, profile
+    rows = profile.split("<- nearest caller\n")[1].splitlines()  # the by-caller table, after its header
+    callers = [line.split("  <- ")[1] for line in rows if "  <- " in line]
+    assert len(callers) == 5 and any(c != "?" for c in callers), profile  # the ops are attributed to code
     rec = out["records"][0]
     assert rec["processes"] == 2 and rec["seqs_per_rank"] > rec["micro_batch_size"]  # several micro-batches
     assert out["shared_prefix"] == ["off", "on"] and rec["shape"]["group_size"] == 4
