@@ -94,11 +94,16 @@ def free_port() -> int:
 
 
 def bench_env(nproc: int, extra: dict | None = None) -> dict:
-    """Offline, one equal share of the cores per process (the same for every framework)."""
+    """Offline, one equal share of the cores per process, huge pages for torch's large CPU tensors
+    as distflow's entry point asks for them (the same for every framework)."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from distflow.run.hugepages import prefer_huge_pages
+
     threads = max(1, CORES // nproc)
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), WANDB_MODE="disabled")
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT / "src"), str(BENCH), os.environ.get("PYTHONPATH", "")] if p)
+    prefer_huge_pages(env)
     env.update(extra or {})
     return env
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 
+from distflow.run.hugepages import prefer_huge_pages
 from distflow.run.output import (
     line_buffered_console,
     quiet_third_party_env,
@@ -23,6 +24,7 @@ from distflow.run.output import (
 )
 
 quiet_third_party_env()  # before torch, vLLM or datasets start logging
+prefer_huge_pages()  # before torch loads: its CPU allocator reads the setting once
 line_buffered_console()
 
 import hydra  # noqa: E402
