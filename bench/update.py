@@ -19,7 +19,8 @@ The first three share one policy, `default` has its own (same weights): the all-
 fixed when a policy is sharded. With one process there is no all-reduce: fsdp = default.
 
 Host memory is set up as in a training run: the trainer's `run.host_mmap_threshold_kib` and
-huge pages for large tensors (distflow.run.hugepages); both decide how often fresh pages fault in.
+huge pages for large tensors (distflow.run.hugepages); both decide how often fresh pages fault
+in. Each update's minor page faults and system time (rank max) are reported beside its time.
 
 `--shape` picks the batch (per rank): `arith` (default; the lever comparison: 8 samples of one
 prompt each, prompts 40-48 tokens, responses 16-32, micro-batches of 2), or a grouped shape for
@@ -52,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import sys
 import time
@@ -168,20 +170,23 @@ def worker(a) -> None:
         micro = updaters[mode].micro_batches(batch.tokens, rows)  # the trainer plans once per batch
         plan_s[mode].append(float(all_reduce(time.perf_counter() - t, "max")))
         barrier()
-        t0 = time.perf_counter()
+        ru0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         sums = updaters[mode].backward_policy(model, batch, rows, micro)
         t1 = time.perf_counter()
         model.step(sums.loss)
-        t2 = time.perf_counter()
-        return float(all_reduce(t1 - t0, "max")), float(all_reduce(t2 - t1, "max")), float(all_reduce(t2 - t0, "max"))
+        t2, ru1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+        # page faults and kernel time: what fresh memory costs (distflow.distributed.hostmem)
+        took = [t1 - t0, t2 - t1, t2 - t0, ru1.ru_minflt - ru0.ru_minflt, ru1.ru_stime - ru0.ru_stime]
+        return tuple(all_reduce(took, "max").tolist())
 
     pairs = [(v, m) for m in modes for v in variants]
-    times = {m: {v: {"backward_s": [], "optimizer_s": [], "update_s": []} for v in variants} for m in modes}
+    keys = ("backward_s", "optimizer_s", "update_s", "minor_faults", "system_s")
+    times = {m: {v: {k: [] for k in keys} for v in variants} for m in modes}
     for v, m in pairs if a.iters and not a.no_warmup else ():  # warm-up: optimizer state, allocator
         one_update(v, m)
     for i in range(a.iters):
         for v, m in pairs if i % 2 == 0 else pairs[::-1]:
-            for key, t in zip(("backward_s", "optimizer_s", "update_s"), one_update(v, m)):
+            for key, t in zip(keys, one_update(v, m)):
                 times[m][v][key].append(t)
     if a.profile and a.iters:
         from torch.profiler import ProfilerActivity, profile
@@ -352,7 +357,8 @@ def main() -> None:
                         t = m["median_s"][v]
                         base = med.get("baseline", {}).get("update_s")
                         rows.append([model, nproc, dtype, mode, v, t["backward_s"], t["optimizer_s"], t["update_s"],
-                                     base / t["update_s"] if base else "-"])
+                                     base / t["update_s"] if base else "-", round(t["minor_faults"] / 1e3),
+                                     t["system_s"]])
                         first = by_mode[modes[0]]
                         sp_rows.append([model, nproc, dtype, v, mode, m["passes"], m["fed_tokens"], m["padded_tokens"],
                                         f"{m['fed_tokens'] / first['fed_tokens']:.2f}", t["update_s"],
@@ -364,7 +370,7 @@ def main() -> None:
             records.append(rec)
     if rows:
         print(C.table(["model", "procs", "dtype", "shared_prefix", "variant", "backward s", "optimizer s", "update s",
-                       "speedup"], rows))
+                       "speedup", "faults k", "system s"], rows))
     if sp_rows and (len(modes) > 1 or grouped):
         print(f"\nshape {args.shape}: G={group}, prompts ~{prompt}, responses ~{response}, {seqs} samples and "
               f"micro-batches of {mbs} per rank; tokens per rank (busiest), vs and speedup: against {modes[0]}")

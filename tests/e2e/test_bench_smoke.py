@@ -152,6 +152,7 @@ def test_update_smoke(tmp_path):
             assert _positive(rec["median_s"][variant][key]), (variant, key)
             assert _positive(rec["by_shared_prefix"]["on"]["median_s"][variant][key]), (variant, key)
         assert _positive(rec["speedup_shared_prefix"][variant])
+        assert rec["median_s"][variant]["minor_faults"] >= 0 and rec["median_s"][variant]["system_s"] >= 0
     assert _positive(rec["speedup_fused"]) and _positive(rec["speedup_default"]) and _positive(rec["speedup_bucketed"])
     off, on = rec["by_shared_prefix"]["off"], rec["by_shared_prefix"]["on"]
     # padded rows carry each prompt once per sample plus padding; packed rows once per group
