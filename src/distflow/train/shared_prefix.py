@@ -271,12 +271,6 @@ def _attend(q, k, v, mask, causal: bool, scaling, dropout: float, softcap) -> to
     without a mask, and with one on CPU, whose flash kernel takes both. CUDA's masked kernels do
     not, and SDPA would fall back to the math kernel that materializes the scores, so there they
     are repeated to every head as transformers does."""
-    if q.device.type == "cpu" and q.dtype != torch.float32 and softcap is None:
-        # torch's CPU flash-attention kernels run 2-4x slower in bf16 than in fp32 on a packed
-        # row's short segments (forward + backward, [2, 9, 58, 64]: 3.1 against 1.3 ms), so on
-        # CPU a segment attends in fp32 and hands back the compute dtype.
-        up = [None if t is None else t.float() if t.is_floating_point() else t for t in (q, k, v, mask)]
-        return _attend(*up, causal, scaling, dropout, softcap).to(q.dtype)
     rep = q.shape[1] // k.shape[1]
     grouped = rep > 1 and softcap is None and (mask is None or q.device.type == "cpu")
     if rep > 1 and not grouped:
