@@ -7,8 +7,8 @@ is freed, up to 32 MiB, so after the first update most activations and logits la
 a SmolLM2-135M rank then kept ~1.5 GB of freed update memory for the rest of the run, and
 fragmentation raised the update's own peak by ~0.4 GB (bench/memory.py). A fixed threshold
 stops the climb; blocks that big are few, so mapping each costs little. What it does cost is
-page faults, each new mapping's pages faulting in again: huge pages (distflow.run.hugepages)
-make those 512 times fewer.
+page faults, each new mapping's pages faulting in and being zeroed again: huge pages
+(distflow.run.hugepages) make the faults 512 times fewer, though not the zeroing.
 """
 
 from __future__ import annotations
