@@ -33,6 +33,16 @@ def launch_env(extra_env: dict | None = None) -> dict:
     return env
 
 
+def python_json(code: str, *args: str, extra_env: dict | None = None) -> dict:
+    """Run `code` in a fresh interpreter with distflow's src on its path, and return the JSON object
+    it prints last: for what a process sets up once, when it starts (malloc, torch's allocator)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    env.update(extra_env or {})
+    out = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, check=True,
+                         timeout=120)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def torchrun_command(overrides: list[str], nproc: int = 2, torchrun_args: list[str] | None = None) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
             "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", *(torchrun_args or []),

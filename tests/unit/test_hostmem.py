@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from launch_helpers import python_json
 
 # Frees one 30 MiB tensor (glibc then raises its mmap threshold to 30 MiB), then allocates 300
 # tensors of 2 MiB with small survivors in between, as a backward pass leaves them, frees the
@@ -36,10 +33,7 @@ print(json.dumps({"set": was_set, "retained_mib": (rss() - before) / 2**20}))
 
 
 def retained(threshold_kib: int) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-c", CHILD, str(threshold_kib)], env=env, capture_output=True, text=True,
-                         check=True, timeout=120)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return python_json(CHILD, str(threshold_kib))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None,

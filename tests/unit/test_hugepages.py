@@ -3,17 +3,12 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from distflow.run.hugepages import THP_ENV, prefer_huge_pages, thp_mode
-
-ROOT = Path(__file__).resolve().parents[2]
+from launch_helpers import python_json
 
 # Touches one 64 MiB tensor and reports how much of the process's anonymous memory is in huge pages.
 CHILD = r"""
@@ -28,11 +23,7 @@ print(json.dumps({"asked": asked, "huge_mib": huge, "sum": float(t.sum())}))
 
 
 def huge_mib(setting: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
-    env[THP_ENV] = setting
-    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, check=True,
-                         timeout=120)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return python_json(CHILD, extra_env={THP_ENV: setting})
 
 
 def test_setting_follows_the_kernel_and_keeps_the_users(tmp_path):
