@@ -21,6 +21,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).resolve().parent
+if str(ROOT / "src") not in sys.path:  # distflow's helpers, imported where used (importing is the cost)
+    sys.path.insert(0, str(ROOT / "src"))
 DEFAULT_RESULTS = BENCH / "results"
 GRPO = ROOT / "recipes" / "grpo.py"
 ARITH = ROOT / "recipes" / "data" / "arith.jsonl"
@@ -96,7 +98,6 @@ def free_port() -> int:
 def bench_env(nproc: int, extra: dict | None = None) -> dict:
     """Offline, one equal share of the cores per process, huge pages for torch's large CPU tensors
     as distflow's entry point asks for them (the same for every framework)."""
-    sys.path.insert(0, str(ROOT / "src"))
     from distflow.run.hugepages import prefer_huge_pages
 
     threads = max(1, CORES // nproc)
@@ -181,7 +182,6 @@ def stats(values: list[float]) -> dict:
 
 
 def resolve_model(name: str) -> str:
-    sys.path.insert(0, str(ROOT / "src"))
     from distflow.models.tiny import resolve_model_path
 
     return resolve_model_path(name)
@@ -190,7 +190,6 @@ def resolve_model(name: str) -> str:
 def recipe_shard_ranks(model: str) -> int:
     """The `model.shard_ranks` the trainer resolves for a built-in model name (they replicate: 1),
     so a worker that builds the policy itself shards it as the trainer would."""
-    sys.path.insert(0, str(ROOT / "src"))
     from distflow.config import ModelConfig
     from distflow.distributed.devices import shard_ranks
 
