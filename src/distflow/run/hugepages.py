@@ -46,7 +46,7 @@ def prefer_huge_pages(environ: MutableMapping[str, str] | None = None, sysfs: st
     process's own environment that is only true if torch is not loaded yet."""
     own = environ is None
     environ = os.environ if own else environ
-    mode = thp_mode(sysfs)
-    if mode in ("madvise", "always"):
-        environ.setdefault(THP_ENV, "1")
-    return environ.get(THP_ENV) == "1" and mode in ("madvise", "always") and not (own and "torch" in sys.modules)
+    if thp_mode(sysfs) not in ("madvise", "always"):
+        return False
+    environ.setdefault(THP_ENV, "1")
+    return environ[THP_ENV] == "1" and not (own and "torch" in sys.modules)
