@@ -42,7 +42,7 @@ def sampled_batch(model_path: str, prompts: int, group: int, max_new: int, seed:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from distflow.config import DistflowConfig
-    from distflow.data.prompts import load_prompts
+    from distflow.tasks.prompts import load_prompts
     from distflow.sample import Sample
 
     torch.manual_seed(seed)

@@ -175,7 +175,7 @@ def install() -> None:
         _wrap_helper(dd, "broadcast_object", lambda obj: _pickled([obj]) if _rank() == 0 else 0),
         _wrap_helper(dd, "barrier", lambda: 0),
     ]
-    import distflow.run.loggers
+    import distflow.metrics.loggers
     import distflow.trainer  # noqa: F401 - import every user of the helpers, then rebind their names
 
     for mod_name, mod in list(sys.modules.items()):
@@ -185,7 +185,7 @@ def install() -> None:
                     if val is orig:
                         setattr(mod, attr, new)
 
-    trainer_cls, logger_cls = distflow.trainer.Trainer, distflow.run.loggers.MetricLogger
+    trainer_cls, logger_cls = distflow.trainer.Trainer, distflow.metrics.loggers.MetricLogger
     orig_train, orig_log = trainer_cls.train, logger_cls.log
 
     def train(self, *a, **k):

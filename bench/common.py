@@ -98,7 +98,7 @@ def free_port() -> int:
 def bench_env(nproc: int, extra: dict | None = None) -> dict:
     """Offline, one equal share of the cores per process, huge pages for torch's large CPU tensors
     as distflow's entry point asks for them (the same for every framework)."""
-    from distflow.run.hugepages import prefer_huge_pages
+    from distflow.run.hostmem import prefer_huge_pages
 
     threads = max(1, CORES // nproc)
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",

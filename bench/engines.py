@@ -27,7 +27,7 @@ def worker(a) -> None:
     from transformers import AutoTokenizer
 
     from distflow.config import DistflowConfig
-    from distflow.data.prompts import load_prompts
+    from distflow.tasks.prompts import load_prompts
     from distflow.distributed import all_reduce, barrier, init_distributed, shutdown
     from distflow.models.tiny import resolve_model_path
     from distflow.rollout import build_engine

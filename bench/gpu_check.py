@@ -54,7 +54,7 @@ MIN_RUN_S = 60  # a run is not started with less of the deadline left
 PHASES = ["generate", "reward", "logprob", "update", "sync", "probe", "step"]
 # What recipes/grpo.py with rollout=hf imports beside the machine's own packages.
 PREFLIGHT = ["hydra", "omegaconf", "datasets", "distflow.trainer", "distflow.rollout.hf_engine",
-             "distflow.data.prompts", "distflow.rewards.numeric"]
+             "distflow.tasks.prompts", "distflow.tasks.rewards.numeric"]
 ENV_INFO = """
 import importlib, importlib.util, json, sys
 import torch
@@ -278,7 +278,7 @@ def main() -> int:
 
     transformers.utils.logging.disable_progress_bar()  # the models' "Writing model shards" bars
     from distflow.models.tiny import build_tiny_model
-    from distflow.rollout.weight_sync import PROBE_LIMIT
+    from distflow.probe import PROBE_LIMIT
 
     tokenizer_dir = build_tiny_model(str(out / "cache"))  # offline; also the smoke runs' model
     device = ["run.device=cpu", "run.backend=gloo"] if a.dry_run else ["run.device=cuda", "run.backend=nccl"]

@@ -87,7 +87,7 @@ def problems(name: str, res: dict, expect_steps: int, sleeps: bool, dtype: str) 
     if res["steps"] != expect_steps:
         bad.append(f"{name} ran {res['steps']} of {expect_steps} steps")
     sys.path.insert(0, str(ROOT / "src"))
-    from distflow.rollout.weight_sync import PROBE_LIMIT
+    from distflow.probe import PROBE_LIMIT
 
     limit = PROBE_LIMIT[dtype]
     probes = res["probe_per_step"]

@@ -291,7 +291,7 @@ def engine_run(engine, model, rec, seqs, hooks: bool):
 
 def policy_logprobs(model_path, seqs, hf_attn: str | None):
     """The trainer's probe path: Policy (FSDP2 on the 1-process group), all sequences in one
-    left-padded batch with explicit position_ids and logits_to_keep, as the trainer's probe (weight_sync.max_logprob_diff)."""
+    left-padded batch with explicit position_ids and logits_to_keep, as the trainer's probe (distflow.probe.max_logprob_diff)."""
     from distflow.config import ModelConfig, OptimConfig
     from distflow.distributed.layout import ParallelLayout
     from distflow.sample import Sample

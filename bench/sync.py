@@ -51,7 +51,7 @@ def worker(a) -> None:
     from distflow.distributed.layout import ParallelLayout
     from distflow.models.tiny import resolve_model_path
     from distflow.rollout import build_engine
-    from distflow.rollout.weight_sync import full_parameters
+    from distflow.train.weight_stream import full_parameters
     from distflow.train.policy import Policy
 
     names = [n for n in a.engine.split(",") if n]  # full-weight resyncs, one engine after the other
@@ -122,7 +122,8 @@ def lora_worker(a, info, engine, policy, dtype, bucket, timed) -> dict:
     import torch
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from distflow.rollout.weight_sync import full_parameters, max_logprob_diff
+    from distflow.probe import max_logprob_diff
+    from distflow.train.weight_stream import full_parameters
     from distflow.train.lora import adapter_tensors
 
     with torch.no_grad():  # adapters that change the model (B = 0 would make both modes trivial)

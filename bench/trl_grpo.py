@@ -26,7 +26,7 @@ import torch.distributed as dist
 from datasets import Dataset
 from transformers import AutoTokenizer, TrainerCallback
 
-from distflow.rewards.numeric import numeric_match
+from distflow.tasks.rewards.numeric import numeric_match
 
 
 def numeric_reward(prompts, completions, answer, **_):

@@ -19,7 +19,7 @@ The first three share one policy, `default` has its own (same weights): the all-
 fixed when a policy is sharded. With one process there is no all-reduce: fsdp = default.
 
 Host memory is set up as in a training run: the trainer's `run.host_mmap_threshold_kib` and
-huge pages for large tensors (distflow.run.hugepages); both decide how often fresh pages fault
+huge pages for large tensors (distflow.run.hostmem); both decide how often fresh pages fault
 in. Each update's minor page faults and system time (rank max) are reported beside its time.
 
 `--shape` picks the batch (per rank): `arith` (default; the lever comparison: 8 samples of one
@@ -96,7 +96,7 @@ def worker(a) -> None:
 
     from distflow.config import DistflowConfig
     from distflow.distributed import all_reduce, barrier, init_distributed, shutdown
-    from distflow.distributed.hostmem import limit_malloc_retention
+    from distflow.run.hostmem import limit_malloc_retention
     from distflow.distributed.layout import ParallelLayout
     from distflow.models.tiny import resolve_model_path
     from distflow.train.batch import UpdateBatch
@@ -175,7 +175,7 @@ def worker(a) -> None:
         t1 = time.perf_counter()
         model.step(sums.loss)
         t2, ru1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
-        # page faults and kernel time: what fresh memory costs (distflow.distributed.hostmem)
+        # page faults and kernel time: what fresh memory costs (distflow.run.hostmem)
         took = [t1 - t0, t2 - t1, t2 - t0, ru1.ru_minflt - ru0.ru_minflt, ru1.ru_stime - ru0.ru_stime]
         return tuple(all_reduce(took, "max").tolist())
 

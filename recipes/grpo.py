@@ -2,7 +2,7 @@
 
 Every algorithm runs through it (algorithm=grpo, dapo, ppo, ...). Thin by design: compose the
 config, build the typed one (distflow.config checks every key and value), hand it to
-distflow.Trainer. The library itself never imports Hydra.
+distflow.trainer.Trainer. The library itself never imports Hydra.
 
 `python recipes/grpo.py --check-config [overrides ...]` is the launchers' pre-flight
 (launch/local.sh, launch/slurm/): one process composes and validates the config, with no
@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 
-from distflow.run.hugepages import prefer_huge_pages
+from distflow.run.hostmem import prefer_huge_pages
 from distflow.run.output import (
     line_buffered_console,
     quiet_third_party_env,
@@ -96,25 +96,24 @@ def check_config(overrides: list[str]) -> int:
 
 @hydra.main(config_path=".", config_name="grpo", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from distflow.run.preemption import EXIT_STOPPED
-    from distflow.run.resume import RunComplete
-    from distflow.trainer import RunAborted, Trainer
+    from distflow.errors import EXIT_ABORTED, EXIT_CONFIG, EXIT_OK, EXIT_STOPPED, RunAborted, RunComplete
+    from distflow.trainer import Trainer
 
     try:
         config = DistflowConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
         trainer = Trainer(config)
     except ConfigError as e:
         report_error(str(e))
-        sys.exit(2)
+        sys.exit(EXIT_CONFIG)
     except RunComplete as e:
         if os.environ.get("RANK", "0") == "0":
             write_line(f"distflow: {e}")
-        sys.exit(0)
+        sys.exit(EXIT_OK)
     try:
         trainer.train()
     except RunAborted as e:
         report_error(str(e))
-        sys.exit(1)
+        sys.exit(EXIT_ABORTED)
     except Exception as e:
         # name the failing rank; torchrun then stops the others (or they time out in a collective)
         write_line(f"distflow: rank {os.environ.get('RANK', '0')} failed: {type(e).__name__}: {e}", sys.stderr)

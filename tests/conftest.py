@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "support"))  # shared
 # test runs, rather than by the first in-process Trainer: the gloo workers' fork server starts with
 # the HF_* variables of that moment, and a later change makes every worker spawn (and import
 # torch, transformers and vLLM) afresh (dist_helpers.READ_AT_IMPORT).
-from distflow.run.hugepages import prefer_huge_pages  # noqa: E402
+from distflow.run.hostmem import prefer_huge_pages  # noqa: E402
 from distflow.run.output import quiet_third_party_env  # noqa: E402
 
 quiet_third_party_env()

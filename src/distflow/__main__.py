@@ -13,11 +13,11 @@ import sys
 def main(argv: list[str]) -> int:
     command, rest = (argv[0], argv[1:]) if argv else ("", [])
     if command == "export":
-        from distflow.run.export import main as export
+        from distflow.checkpoint.export import main as export
 
         return export(rest)
     if command == "plot":
-        from distflow.run.plot import main as plot
+        from distflow.metrics.plot import main as plot
 
         return plot(rest)
     if command == "config-docs" and not rest:

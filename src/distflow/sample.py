@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class Sample:
@@ -44,3 +46,14 @@ class EpisodeInfo:
     def final_text(self) -> str:
         """The model's last turn: the answer a task reward scores."""
         return next((m["content"] for m in reversed(self.transcript) if m["role"] == "assistant"), "")
+
+
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists as [N, longest] ids and attention mask, each sequence ending at the last column."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[i, width - len(s):] = 1
+    return ids, mask

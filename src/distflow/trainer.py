@@ -10,7 +10,7 @@ Multi-turn tasks (task.env) generate episodes instead of single responses (distf
 everything after rollout is the same, with observation tokens masked out of the loss.
 Algorithms differ only in the functions the config selects (distflow.algorithms.registry).
 Each phase returns what it made (rollouts and their pending rewards, logprobs, advantages, the
-update's record), and the step report turns those records into metrics (distflow.run.report).
+update's record), and the step report turns those records into metrics (distflow.metrics.report).
 """
 
 from __future__ import annotations
@@ -29,27 +29,30 @@ from transformers import AutoTokenizer
 
 from distflow.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, dynamic_sampling_keep
 from distflow.config import DistflowConfig, config_record
-from distflow.data import ShardedSampler, load_prompts
+from distflow.tasks import ShardedSampler, load_prompts
 from distflow.distributed import all_reduce, barrier, init_distributed, on_local_rank0_first, shutdown, waited_s
 from distflow.distributed.devices import dtype_line, resolve_auto
-from distflow.distributed.hostmem import limit_malloc_retention
+from distflow.run.hostmem import limit_malloc_retention
 from distflow.distributed.layout import ParallelLayout
 from distflow.models import resolve_model_path
-from distflow.rewards.pool import RewardPool
+from distflow.tasks.rewards.pool import RewardPool
 from distflow.rollout import build_engine
 from distflow.rollout.balance import balance_groups
 from distflow.rollout.episodes import EpisodeRunner, SingleTurn
 from distflow.rollout.evaluation import evaluate
 from distflow.rollout.groups import Rollouts, sample_seed
-from distflow.rollout.scoring import score_groups, shape_rewards
-from distflow.rollout.weight_sync import full_parameters, max_logprob_diff, mismatch_line
-from distflow.run.checkpoint import POLICY, Checkpointer, ModelOptimState, RNGState
-from distflow.run.export import export_live
+from distflow.rollout.scoring import score_groups
+from distflow.probe import max_logprob_diff, mismatch_line
+from distflow.train.weight_stream import full_parameters
+from distflow.checkpoint.checkpointer import POLICY, Checkpointer, ModelOptimState, RNGState
+from distflow.checkpoint.export import export_live
 from distflow.run.faults import inject_fault, resync_fault, save_fault
-from distflow.run.loggers import MetricLogger
+from distflow.metrics.loggers import MetricLogger
 from distflow.run.output import note_expected_warnings, save_config, setup_output
-from distflow.run.preemption import RunAborted, StepBoundary, Stopped, StopSignal, write_stop_file
-from distflow.run.report import StragglerWatch, run_summary, step_report, sync_phase_edges, timed
+from distflow.errors import RunAborted
+from distflow.run.preemption import StepBoundary, Stopped, StopSignal, write_stop_file
+from distflow.metrics.report import StragglerWatch, run_summary, step_report
+from distflow.metrics.timer import PhaseTimer
 from distflow.run.resume import agree_on_plan
 from distflow.run.rundir import RunDir
 from distflow.sample import Sample
@@ -58,6 +61,7 @@ from distflow.train.critic import Critic
 from distflow.train.lora import adapter_tensors
 from distflow.train.memory_budget import check_memory_budget
 from distflow.train.policy import Policy, check_model_options
+from distflow.train.shaping import shape_rewards
 from distflow.train.update import StepPlan, Updater, UpdateResult
 
 log = logging.getLogger("distflow")
@@ -112,7 +116,7 @@ class Trainer:
             if cfg.critic.path else self.model_path
         check_model_options(self.model_path, cfg.model)  # before any weights load
         check_memory_budget(cfg, self.model_path, self.layout, critic_path)  # CUDA: what each phase needs must fit
-        sync_phase_edges(self.dist.device, cfg.logging.sync_timing)
+        self.timer = PhaseTimer(self.dist.device, cfg.logging.sync_timing)
         log.info(f"loading weights: {cfg.model.path} into the {cfg.rollout.engine} engine and the policy")
         self.engine = build_engine(self.model_path, cfg.model, cfg.rollout, self.dist.device, r.seed,
                                    self.layout.engine_group)
@@ -167,27 +171,27 @@ class Trainer:
         self.finish(time.perf_counter() - start)
 
     def train_step(self) -> dict[str, float]:
-        timing: dict[str, float] = {}
+        timing = self.timer.new_step(self.step)
         t0, waited0 = time.perf_counter(), waited_s()
-        rollouts, pending = self.rollout(timing)
+        rollouts, pending = self.rollout()
         self.engine.sleep()
         batch = UpdateBatch.from_samples(rollouts.samples, self.pad_id, self.layout.device,
                                          self.cfg.algorithm.overlong_filter)
-        with timed(timing, "logprob"):
+        with self.timer.phase("logprob"):
             plan = self.updater.plan(batch.tokens)
             logprobs = self.compute_logprobs(plan)
-        with timed(timing, "reward"):  # what scoring did not hide behind the logprob pass
+        with self.timer.phase("reward"):  # what scoring did not hide behind the logprob pass
             rewards = pending.result()
         batch = self.compute_advantages(batch, rewards, logprobs)
         batch = inject_fault(self.cfg.run.fault_inject, self.dist.rank, self.step, batch)
-        with timed(timing, "update"):
+        with self.timer.phase("update"):
             result = self.update(batch, plan)
         self.nonfinite_streak = self.nonfinite_streak + 1 if result.nonfinite_skipped else 0
         if result.nonfinite_skipped:
             log.warning(f"step {self.step}: a loss or gradient norm was not finite; the update was skipped")
-        with timed(timing, "sync"):  # wakes the engine: weights, reload, KV cache
+        with self.timer.phase("sync"):  # wakes the engine: weights, reload, KV cache
             self.sync_weights()
-        with timed(timing, "probe"):
+        with self.timer.phase("probe"):
             probe = self.probe_sync(rollouts.samples, batch.tokens)
         timing["step"] = time.perf_counter() - t0
         timing["wait"] = waited_s() - waited0  # blocked in distflow's collectives, waiting for peers
@@ -195,7 +199,7 @@ class Trainer:
                            result, timing, probe, self.policy.lr)
 
     # ----------------------------------------------------------------- phases
-    def rollout(self, timing: dict[str, float]) -> tuple[Rollouts, Future]:
+    def rollout(self) -> tuple[Rollouts, Future]:
         """Generate groups, balance them across ranks, and start scoring; returns the rollouts and
         the pending rewards ([groups, G]). With dynamic sampling (DAPO) groups are scored at once,
         those whose rewards are all equal are dropped, and every rank keeps generating until the
@@ -203,14 +207,14 @@ class Trainer:
         a, per_rank = self.cfg.algorithm, self.cfg.data.prompts_per_rank
         kept = Rollouts(a.group_size)
         for _ in range(a.max_sampling_rounds if a.dynamic_sampling else 1):
-            with timed(timing, "generate"):
+            with self.timer.phase("generate"):
                 part = self.generate(per_rank)
             kept.stats.rounds += 1
             kept.stats.generated_groups += len(part.items)
             if not a.dynamic_sampling:
                 kept = dataclasses.replace(part, stats=kept.stats)
                 break
-            with timed(timing, "reward"):
+            with self.timer.phase("reward"):
                 part.rewards = self.score(part)
             kept.keep_groups(part, dynamic_sampling_keep(part.rewards))
             if int(all_reduce(len(kept.items))) >= per_rank * self.dist.world_size:
@@ -218,7 +222,7 @@ class Trainer:
         if a.dynamic_sampling and kept.rewards is None:
             kept.rewards = torch.zeros((0, a.group_size))
         if self.cfg.run.balance_lengths:  # the update waits for the rank with the most tokens
-            with timed(timing, "balance"):
+            with self.timer.phase("balance"):
                 moved, kept.stats.balance = balance_groups(kept.groups(), kept.token_costs(), self.dist.device)
                 kept.set_groups(moved)
         pending: Future = Future()

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from dist_helpers import free_port, gathered, run_distributed
 from config_helpers import fp32_config
 from distflow.config import ConfigError, config_record
-from distflow.run.checkpoint import (
+from distflow.checkpoint.checkpointer import (
     FORMAT,
     MARKER,
     POLICY,
@@ -165,7 +165,7 @@ def _save_perturbed(rank, world, model_dir, ckpt_root):
 def test_export_round_trip_matches_live_policy(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from distflow.run.export import export_checkpoint
+    from distflow.checkpoint.export import export_checkpoint
 
     live = run_distributed(_save_perturbed, 2, tiny_model_dir, str(tmp_path / "ck"))
     # exported without any process group, as the CLI does
@@ -180,7 +180,7 @@ def test_export_round_trip_matches_live_policy(tiny_model_dir, tmp_path):
 
 def test_cuda_rng_state_is_saved_and_restored_on_cuda_ranks(monkeypatch):
     """On a CUDA rank the device generator rides along (faked here: CPU torch has no CUDA RNG)."""
-    from distflow.run.checkpoint import RNGState
+    from distflow.checkpoint.checkpointer import RNGState
 
     device_state = {"cuda:1": torch.arange(16, dtype=torch.uint8)}
     restored = []

@@ -13,7 +13,7 @@ import torch
 
 from dist_helpers import run_distributed
 from distflow.config import ConfigError, RolloutConfig
-from distflow.rollout.adapter_folder import AdapterFolder
+from distflow.models.adapter_folder import AdapterFolder
 from distflow.rollout.vllm_engine import VLLMEngine, check_platform, max_model_len, memory_kwargs
 from launch_helpers import ROOT
 from config_helpers import fp32_config

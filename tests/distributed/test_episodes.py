@@ -22,12 +22,12 @@ from distflow.algorithms.advantages import discounted_returns, gae
 from distflow.rollout.balance import balance_groups
 from distflow.train.batch import UpdateBatch, pad_rows
 from distflow.config import ConfigError, RolloutConfig, TaskConfig
-from distflow.data.prompts import load_prompts
-from distflow.envs import ToolEnv, build_env
+from distflow.tasks.prompts import load_prompts
+from distflow.tasks.envs import ToolEnv, build_env
 from distflow.rollout.episodes import EpisodeRunner, ObservationEncoder
 from distflow.distributed.layout import ParallelLayout
 from distflow.train.policy import Policy
-from distflow.rewards.pool import RewardPool
+from distflow.tasks.rewards.pool import RewardPool
 from distflow.sample import Sample
 from distflow.rollout.hf_engine import HFEngine
 from distflow.rollout.scoring import score_groups
@@ -147,7 +147,7 @@ def test_tool_env_answers_calls_errors_and_final_turns():
 
 
 def test_tool_use_reward_counts_only_tool_results_that_are_not_errors():
-    from distflow.rewards.registry import load_reward
+    from distflow.tasks.rewards.registry import load_reward
 
     reward = load_reward("tool_use")
     turn = {"role": "assistant", "content": "<tool_call>...</tool_call>"}

@@ -15,7 +15,7 @@ from grad_helpers import fixed_batch
 from config_helpers import fp32_config
 from distflow.train.batch import TokenBatch
 from distflow.config import ConfigError
-from distflow.run.export import export_live
+from distflow.checkpoint.export import export_live
 from distflow.distributed.layout import ParallelLayout
 from distflow.train.lora import adapters_disabled, file_key, merged_parameters
 from distflow.train.policy import Policy, check_model_options

@@ -39,7 +39,7 @@ from grad_helpers import update_batch
 from launch_helpers import ROOT
 from model_families import FAMILIES, MOE_FAMILIES, build_family
 
-from distflow.rollout.weight_sync import PROBE_LIMIT
+from distflow.probe import PROBE_LIMIT
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")]
@@ -104,7 +104,7 @@ def _train_and_resync(policy, engine, seqs, rank: int) -> dict:
     """Two AdamW steps on rewarded samples (advantages +-1), the routers' loss at the model config's
     own weight (model.router_aux_loss_coef: null), then the resync: the engine must follow the
     trained weights as it follows a perturbation."""
-    from distflow.rollout.weight_sync import full_parameters
+    from distflow.train.weight_stream import full_parameters
     from distflow.sample import Sample
     from distflow.train.update import Updater
 
@@ -147,8 +147,8 @@ def _family(rank: int, model_type: str, model_dir: str, tmp: Path, engines: Engi
 
     from distflow.config import ConfigError
     from distflow.models.heads import attention_heads, tensor_parallel_problem
-    from distflow.run.checkpoint import ModelOptimState
-    from distflow.run.export import export_live
+    from distflow.checkpoint.checkpointer import ModelOptimState
+    from distflow.checkpoint.export import export_live
     from distflow.train.policy import check_model_options
 
     out: dict = {}

@@ -57,7 +57,8 @@ def _worker(rank, world, model_dir):
     from distflow.train.policy import Policy
     from distflow.rollout import build_engine
     from distflow.rollout import vllm_engine
-    from distflow.rollout.weight_sync import full_parameters, max_logprob_diff
+    from distflow.probe import max_logprob_diff
+    from distflow.train.weight_stream import full_parameters
 
     cfg = fp32_config()
     cfg.model.path = model_dir

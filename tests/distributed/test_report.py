@@ -8,8 +8,8 @@ import time
 from dist_helpers import gathered, run_distributed
 from distflow import distributed as dd
 from distflow.config import LoggingConfig
-from distflow.run.loggers import MetricLogger, reduce_step_metrics
-from distflow.run.report import slowest_rank_code, with_compute
+from distflow.metrics.loggers import MetricLogger, reduce_step_metrics
+from distflow.metrics.report import slowest_rank_code, with_compute
 from distflow.run.rundir import RunDir
 
 

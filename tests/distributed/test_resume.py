@@ -16,12 +16,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from dist_helpers import run_distributed
 from config_helpers import fp32_config
 from distflow.config import ConfigError, config_record
-from distflow.run.checkpoint import FORMAT, POLICY, Checkpointer, ModelOptimState, RNGState, latest_checkpoint, \
+from distflow.checkpoint.checkpointer import FORMAT, POLICY, Checkpointer, ModelOptimState, RNGState, latest_checkpoint, \
     read_marker
-from distflow.data.sampler import ShardedSampler
+from distflow.tasks.sampler import ShardedSampler
 from distflow.distributed.layout import ParallelLayout
 from distflow.train.policy import Policy
-from distflow.run.resume import RunComplete, plan_resume
+from distflow.errors import RunComplete
+from distflow.run.resume import plan_resume
 from distflow.run.rundir import RunDir
 
 IDS = torch.tensor([[1, 5, 9, 33, 70, 2], [4, 8, 15, 16, 23, 42]])

@@ -153,8 +153,8 @@ def _environment(env: dict):
 
 def _run_one(overrides: list[str], out: Path, env: dict) -> dict:
     from distflow.config import ConfigError
-    from distflow.run.resume import RunComplete
-    from distflow.trainer import RunAborted, Trainer
+    from distflow.errors import RunAborted, RunComplete
+    from distflow.trainer import Trainer
 
     with _environment(env):
         cfg = compose([*BASE, *overrides, f"run.output_dir={out}"])

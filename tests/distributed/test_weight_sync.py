@@ -14,7 +14,8 @@ import torch
 from dist_helpers import gathered, run_distributed
 from engine_helpers import perturb_and_resync
 from config_helpers import fp32_config
-from distflow.rollout.weight_sync import full_parameters, max_logprob_diff
+from distflow.probe import max_logprob_diff
+from distflow.train.weight_stream import full_parameters
 from distflow.train.batch import TokenBatch
 from distflow.distributed.layout import ParallelLayout
 from distflow.train.policy import Policy
@@ -109,7 +110,7 @@ def test_resync_casts_shards_before_gathering(tiny_model_dir):
     (0.3, "bfloat16", False), (1.3, "bfloat16", False), (5.0, "bfloat16", True), (float("nan"), "float32", False),
 ])
 def test_probe_limit_depends_on_the_dtype(diff, dtype, stops):
-    from distflow.rollout.weight_sync import mismatch_line
+    from distflow.probe import mismatch_line
 
     line = mismatch_line(diff, dtype, "qwen3_moe", "step 3")
     assert (line is not None) is stops

@@ -26,7 +26,7 @@ def _row(step: int) -> dict:
 def _stopped(fn) -> tuple[str, float]:
     """(the one line fn stopped with, seconds it took)."""
     from distflow.config import ConfigError
-    from distflow.run.preemption import RunAborted
+    from distflow.errors import RunAborted
 
     t0 = time.monotonic()
     try:
@@ -41,7 +41,7 @@ def _worker(rank, world, mount):
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
     from distflow.config import LoggingConfig
-    from distflow.run.loggers import MetricLogger
+    from distflow.metrics.loggers import MetricLogger
     from distflow.run.output import reset_output, save_config, setup_output
     from distflow.run.preemption import StepBoundary, StopSignal
     from distflow.run.rundir import RunDir

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
 from launch_helpers import read_metrics, stable_metrics, torchrun
-from distflow.run.export import export_checkpoint
+from distflow.checkpoint.export import export_checkpoint
 
 LORA = ["experiment=smoke", "rollout=vllm", "task.reward=rewards_for_tests:digit_fraction", "model.lora.enabled=true",
         "model.lora.rank=8", "optim.lr=1e-2", "algorithm.kl_coef=0.05"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from distflow.run.checkpoint import latest_checkpoint
+from distflow.checkpoint.checkpointer import latest_checkpoint
 from launch_helpers import ROOT, SUPPORT, read_metrics
 
 ITEMS, STEPS = 12, 12

@@ -95,9 +95,9 @@ def test_readme_task_line_loads_and_scores(command, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
     from config_helpers import compose
-    from distflow.data.prompts import load_prompts
+    from distflow.tasks.prompts import load_prompts
     from distflow.models.tiny import resolve_model_path
-    from distflow.rewards.pool import RewardPool
+    from distflow.tasks.rewards.pool import RewardPool
 
     folder = user_folder(tmp_path)
     monkeypatch.chdir(folder)  # where the user launches from: the recipe puts it on the import path

@@ -16,7 +16,7 @@ import pytest
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from distflow.rollout.weight_sync import PROBE_LIMIT
+from distflow.probe import PROBE_LIMIT
 
 from docs_helpers import doc_command, run_doc_command
 from launch_helpers import read_metrics, stable_metrics

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from distflow.rollout.weight_sync import full_parameters
+from distflow.train.weight_stream import full_parameters
 from distflow.sample import Sample
 from distflow.train.batch import TokenBatch
 

@@ -12,7 +12,7 @@ import os
 import signal
 import time
 
-from distflow.envs import Step, ToolEnv
+from distflow.tasks.envs import Step, ToolEnv
 
 
 class ScriptedToolEnv(ToolEnv):

@@ -10,7 +10,7 @@ import torch
 from peft import LoraConfig
 from safetensors.torch import load_file
 
-from distflow.rollout.adapter_folder import AdapterFolder
+from distflow.models.adapter_folder import AdapterFolder
 from mount_helpers import private_tmpfs
 
 CONFIG = LoraConfig(r=4, target_modules=["q_proj"])

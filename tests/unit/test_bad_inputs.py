@@ -1,7 +1,7 @@
 """Bad inputs: each has one defined behaviour, tested here or in the file named (unit/ unless a
 folder is given).
 
-Datasets (distflow.data.prompts.load_prompts):
+Datasets (distflow.tasks.prompts.load_prompts):
   file not found / a folder          ConfigError "... is not a file"       test_data.py::test_missing_file
   path not set                       ConfigError "task.path is not set"    here
   unknown format (extension)         ConfigError "unknown extension"       test_data.py::test_unknown_extension
@@ -22,7 +22,7 @@ Datasets (distflow.data.prompts.load_prompts):
   duplicate rows                     kept (every row is a prompt), one warning with the count          here
   hub dataset name while offline     ConfigError naming the dataset: needs network or a local file     here
   a chat template refusing a role    ConfigError naming the role, the model and where the role came from  here
-Rewards (distflow.rewards.pool.RewardPool):
+Rewards (distflow.tasks.rewards.pool.RewardPool):
   a reward that raises               0.0, counted as reward/errors, logged once
                                                       test_reward_pool.py::test_raise_scores_zero_counts_and_logs_once
   a reward that never returns        0.0 after task.reward_timeout_s, reward/timeouts, worker replaced
@@ -46,8 +46,8 @@ import logging
 import pytest
 
 from distflow.config import ConfigError, TaskConfig
-from distflow.data import load_prompts
-from distflow.data import prompts as prompts_module
+from distflow.tasks import load_prompts
+from distflow.tasks import prompts as prompts_module
 from data_helpers import CHAT_TEMPLATE, make_tokenizer, write_jsonl
 
 

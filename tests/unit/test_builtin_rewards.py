@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from distflow.rewards.registry import BUILTIN, load_reward
+from distflow.tasks.rewards.registry import BUILTIN, load_reward
 
 
 def call(name: str, completion: str, item: dict, ids: list | None = None) -> float:
@@ -48,7 +48,7 @@ def test_math_wrong_or_malformed(completion, gold):
 
 PREPARE_CHECK = r"""
 import sys
-from distflow.rewards.registry import load_reward
+from distflow.tasks.rewards.registry import load_reward
 HEAVY = ("math_verify", "sympy", "latex2sympy2_extended")
 fn = load_reward("math")
 assert callable(fn.prepare)

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from config_helpers import fp32_config
 from distflow.config import ConfigError, config_record
-from distflow.run.checkpoint import (
+from distflow.checkpoint.checkpointer import (
     MARKER,
     POLICY,
     Checkpointer,
@@ -31,7 +31,7 @@ from distflow.run.checkpoint import (
     latest_checkpoint,
     read_marker,
 )
-from distflow.run.checkpoint_reader import ALLOWED, read_metadata
+from distflow.checkpoint.reader import ALLOWED, read_metadata
 
 
 def _policy(model_dir: str, lr: float):
@@ -92,7 +92,7 @@ def _refused_everywhere(folder: Path, model_dir: str, tmp_path: Path, flag: Path
     assert not flag.exists()
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing was loaded
 
-    from distflow.run.export import export_checkpoint
+    from distflow.checkpoint.export import export_checkpoint
 
     with pytest.raises(SystemExit, match=needle):
         export_checkpoint(str(folder), str(tmp_path / "hf"))

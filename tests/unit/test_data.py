@@ -8,7 +8,7 @@ import multiprocessing as mp
 import pytest
 
 from distflow.config import ConfigError, TaskConfig
-from distflow.data import PromptItem, ShardedSampler, load_prompts
+from distflow.tasks import PromptItem, ShardedSampler, load_prompts
 from data_helpers import make_tokenizer, write_jsonl
 
 @pytest.fixture(scope="module")

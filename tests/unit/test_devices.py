@@ -144,7 +144,7 @@ def test_a_named_model_gets_the_documented_defaults():
 
 
 def test_gpu_memory_metrics_only_on_cuda(monkeypatch):
-    from distflow.run.report import gpu_memory
+    from distflow.metrics.report import gpu_memory
 
     assert gpu_memory() == {}  # CPU: no keys at all
     resets = []

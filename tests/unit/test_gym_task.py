@@ -201,6 +201,6 @@ def test_instruction_per_dataset():
 
 
 def test_reward_is_importable_by_spec():
-    from distflow.rewards.registry import load_reward
+    from distflow.tasks.rewards.registry import load_reward
 
     assert load_reward(_recipe()["reward"]) is gym_reward

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from data_helpers import make_tokenizer
-from distflow.data.prompts import PromptItem
-from distflow.envs import ToolEnv
-from distflow.envs.calculator import Calculator
-from distflow.envs.parsers import ToolCallError, hermes_tool_calls
-from distflow.rewards.pool import RewardPool
+from distflow.tasks.prompts import PromptItem
+from distflow.tasks.envs import ToolEnv
+from distflow.tasks.envs.calculator import Calculator
+from distflow.tasks.envs.parsers import ToolCallError, hermes_tool_calls
+from distflow.tasks.rewards.pool import RewardPool
 from distflow.rollout.scoring import score_groups
 from distflow.sample import Sample
 

@@ -1,4 +1,4 @@
-"""distflow.distributed.hostmem: freed activation-sized tensors go back to the OS (real glibc, real torch)."""
+"""distflow.run.hostmem: freed activation-sized tensors go back to the OS (real glibc, real torch)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from launch_helpers import python_json
 CHILD = r"""
 import json, re, sys
 import torch
-from distflow.distributed.hostmem import limit_malloc_retention
+from distflow.run.hostmem import limit_malloc_retention
 
 def rss():
     return int(re.search(r"VmRSS:\s+(\d+)", open("/proc/self/status").read()).group(1)) << 10

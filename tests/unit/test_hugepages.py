@@ -1,4 +1,4 @@
-"""distflow.run.hugepages: torch's large CPU tensors get 2 MiB pages when the setting is on
+"""distflow.run.hostmem: torch's large CPU tensors get 2 MiB pages when the setting is on
 (real kernel, real torch, in fresh processes: torch reads it once, when it loads)."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ import os
 
 import pytest
 
-from distflow.run.hugepages import THP_ENV, prefer_huge_pages, thp_mode
+from distflow.run.hostmem import THP_ENV, prefer_huge_pages, thp_mode
 from launch_helpers import python_json
 
 # Touches one 64 MiB tensor and reports how much of the process's anonymous memory is in huge pages.
 CHILD = r"""
 import json, re, sys
-from distflow.run.hugepages import prefer_huge_pages
+from distflow.run.hostmem import prefer_huge_pages
 asked = prefer_huge_pages()  # before torch, as the entry point does
 import torch
 t = torch.ones(16 << 20)

@@ -1,4 +1,4 @@
-"""MetricLogger backends (console, jsonl, wandb offline, tensorboard) and distflow.run.plot."""
+"""MetricLogger backends (console, jsonl, wandb offline, tensorboard) and distflow.metrics.plot."""
 
 import glob
 import io
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from distflow.config import DistflowConfig, LoggingConfig, config_record
-from distflow.run.loggers import MetricLogger
-from distflow.run.plot import read_metrics, write_plots
+from distflow.metrics.loggers import MetricLogger
+from distflow.metrics.plot import read_metrics, write_plots
 from distflow.run.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ import pytest
 from launch_helpers import SUPPORT
 
 from distflow.config import ConfigError, TaskConfig
-from distflow.rewards.pool import RewardPool
+from distflow.tasks.rewards.pool import RewardPool
 
 MIS = "rewards_for_tests:misbehave"  # float(len(completion)) for mode "ok", else misbehaves
 
@@ -191,7 +191,7 @@ def test_workers_leave_with_a_killed_parent_and_unguarded_main(tmp_path):
     script.write_text(
         "import sys\n"
         f"sys.path.insert(0, {str(SUPPORT)!r})\n"
-        "from distflow.rewards.pool import RewardPool\n"
+        "from distflow.tasks.rewards.pool import RewardPool\n"
         f"pool = RewardPool({MIS!r}, 2, 600.0).wait_ready()\n"
         "print(*[w.proc.pid for w in pool._workers], flush=True)\n"
         "pool.score([('p', 'c', [], {'mode': 'hang'})] * 2)\n"
@@ -222,7 +222,7 @@ def test_a_trainer_that_stops_during_pool_start_up_leaves_no_worker_traceback(en
 
     stop = "os._exit(3)" if end == "exit" else "pool.close(); sys.exit(3)"
     code = (f"import os, sys; sys.path.insert(0, {str(SUPPORT)!r})\n"
-            "from distflow.rewards.pool import RewardPool\n"
+            "from distflow.tasks.rewards.pool import RewardPool\n"
             f"pool = RewardPool({MIS!r}, 2, 5.0)\n{stop}\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3

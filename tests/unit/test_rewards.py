@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from distflow.rewards import extract_answer, numeric_match
+from distflow.tasks.rewards import extract_answer, numeric_match
 
 
 @pytest.mark.parametrize("text,expected", [

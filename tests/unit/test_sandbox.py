@@ -1,4 +1,4 @@
-"""Hostile programs through the python tool's real sandbox (distflow.envs.sandbox): each attack runs, and the
+"""Hostile programs through the python tool's real sandbox (distflow.tasks.envs.sandbox): each attack runs, and the
 test checks on the host that its effect did not happen. No skips: a machine where the sandbox cannot start
 fails here (CI must run the isolated path)."""
 
@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 from distflow.config import ConfigError
-from distflow.envs import ToolEnv, build_env, build_tools
-from distflow.envs.python_tool import PROCESS_LIMIT, PythonExecutor
-from distflow.envs.sandbox import SANDBOX_ID
-from distflow.rewards.pool import RewardPool
+from distflow.tasks.envs import ToolEnv, build_env, build_tools
+from distflow.tasks.envs.python_tool import PROCESS_LIMIT, PythonExecutor
+from distflow.tasks.envs.sandbox import SANDBOX_ID
+from distflow.tasks.rewards.pool import RewardPool
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -239,7 +239,7 @@ def test_the_sandbox_dies_with_the_process_that_started_it(tmp_path):
     marker = f"marker_{uuid.uuid4().hex}"
     script = tmp_path / "worker_like.py"
     script.write_text(
-        "from distflow.envs.python_tool import PythonExecutor\n"
+        "from distflow.tasks.envs.python_tool import PythonExecutor\n"
         "print('ready', flush=True)\n"
         f"PythonExecutor(timeout_s=60)({{'code': 'import time; time.sleep(60)  # {marker}'}})\n")
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)

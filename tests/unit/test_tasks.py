@@ -21,10 +21,10 @@ import yaml
 
 from config_helpers import compose
 from distflow.config import DistflowConfig
-from distflow.data.prompts import PromptItem, load_prompts
-from distflow.envs import build_env
-from distflow.rewards import BUILTIN
-from distflow.rewards.pool import RewardPool
+from distflow.tasks.prompts import PromptItem, load_prompts
+from distflow.tasks.envs import build_env
+from distflow.tasks.rewards import BUILTIN
+from distflow.tasks.rewards.pool import RewardPool
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "recipes"

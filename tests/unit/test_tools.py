@@ -8,11 +8,11 @@ import time
 import pytest
 
 from distflow.config import ConfigError
-from distflow.envs.parsers import PARSERS, ToolCall, ToolCallError, hermes_tool_calls, load_parser
-from distflow.envs import BUILTIN_TOOLS, build_tools
-from distflow.envs.calculator import Calculator
-from distflow.envs.python_tool import PythonExecutor
-from distflow.envs.tools import ToolResult, truncate
+from distflow.tasks.envs.parsers import PARSERS, ToolCall, ToolCallError, hermes_tool_calls, load_parser
+from distflow.tasks.envs import BUILTIN_TOOLS, build_tools
+from distflow.tasks.envs.calculator import Calculator
+from distflow.tasks.envs.python_tool import PythonExecutor
+from distflow.tasks.envs.tools import ToolResult, truncate
 
 
 class FallbackExecutor(PythonExecutor):
@@ -88,7 +88,7 @@ def test_hermes_unclosed_call_raises():
 
 def test_load_parser():
     assert load_parser("hermes") is hermes_tool_calls is PARSERS["hermes"]
-    assert load_parser("distflow.envs.parsers:hermes_tool_calls") is hermes_tool_calls
+    assert load_parser("distflow.tasks.envs.parsers:hermes_tool_calls") is hermes_tool_calls
 
 
 @pytest.mark.parametrize(
@@ -96,8 +96,8 @@ def test_load_parser():
     [
         ("qwen", "neither a built-in"),
         ("no_such_module_for_tests:fn", "cannot be imported"),
-        ("distflow.envs.parsers:no_such_function", "cannot be imported"),
-        ("distflow.envs.parsers:OPEN_TAG", "not callable"),
+        ("distflow.tasks.envs.parsers:no_such_function", "cannot be imported"),
+        ("distflow.tasks.envs.parsers:OPEN_TAG", "not callable"),
     ],
 )
 def test_load_parser_bad_specs(spec, message):

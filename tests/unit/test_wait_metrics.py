@@ -4,7 +4,7 @@ maxima's all-reduce, and the warning that names a rank slow for many steps."""
 import time
 
 import distflow.distributed as dd
-from distflow.run.report import StragglerWatch, slowest_rank_code, with_compute
+from distflow.metrics.report import StragglerWatch, slowest_rank_code, with_compute
 
 
 class QueuedWork:
@@ -61,20 +61,27 @@ def test_straggler_watch_names_a_persistent_slow_rank_once_per_streak():
 def test_phase_edges_wait_for_the_device_only_when_asked_on_cuda():
     import torch
 
-    from distflow.run import report
+    from distflow.metrics.timer import PhaseTimer
 
-    try:
-        report.sync_phase_edges(torch.device("cpu"), True)
-        assert report._phase_edge is None  # the CPU has no queue to wait for
-        report.sync_phase_edges(torch.device("cuda", 0), False)
-        assert report._phase_edge is None
-        report.sync_phase_edges(torch.device("cuda", 0), True)
-        assert report._phase_edge is torch.cuda.synchronize
-        edges = []
-        report._phase_edge = lambda: edges.append(time.perf_counter())
-        timing: dict[str, float] = {}
-        with report.timed(timing, "update"):
-            time.sleep(0.01)
-        assert len(edges) == 2 and timing["update"] >= edges[1] - edges[0] - 1e-3  # both edges inside the clock
-    finally:
-        report.sync_phase_edges(torch.device("cpu"), False)
+    assert PhaseTimer(torch.device("cpu"), True).edge is None  # the CPU has no queue to wait for
+    assert PhaseTimer(torch.device("cuda", 0), False).edge is None
+    assert PhaseTimer(torch.device("cuda", 0), True).edge is torch.cuda.synchronize
+    edges, seen = [], []
+
+    class Watch:
+        def on_phase_start(self, phase, step):
+            seen.append(("start", phase, step))
+
+        def on_phase_end(self, phase, step, seconds):
+            seen.append(("end", phase, step, seconds))
+
+    timer = PhaseTimer(torch.device("cpu"), observers=[Watch()])
+    timer.edge = lambda: edges.append(time.perf_counter())
+    timing = timer.new_step(3)
+    with timer.phase("update"):
+        time.sleep(0.01)
+    with timer.phase("update"):  # a repeated phase accumulates
+        pass
+    assert len(edges) == 4 and timing["update"] >= edges[1] - edges[0] - 1e-3  # both edges inside the clock
+    assert [s[:3] for s in seen] == [("start", "update", 3), ("end", "update", 3)] * 2
+    assert timing["update"] == seen[1][3] + seen[3][3]

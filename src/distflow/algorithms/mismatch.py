@@ -4,7 +4,7 @@ weights that sampled it (the update's own forward, or the old-logprob pass when 
 
 In float32 the two agree to ~1e-6; in bf16 they differ by design (different kernels, bf16
 rounding of activations and logits), and this is the number that says by how much, every step,
-at no extra forward. The max-over-tokens probe after a resync (distflow.rollout.weight_sync)
+at no extra forward. The max-over-tokens probe after a resync (distflow.probe)
 stays the exactness check.
 
     abs_mean   mean |log pi_engine - log pi_policy| over trained tokens

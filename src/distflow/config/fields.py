@@ -17,9 +17,7 @@ import typing
 from dataclasses import MISSING, Field, dataclass, field
 from typing import Any, Iterator, Literal, Union
 
-
-class ConfigError(ValueError):
-    """A user-facing configuration or input problem: reported as one line, exit code 2."""
+from distflow.errors import ConfigError
 
 
 def knob(default: Any = MISSING, doc: str = "", *, operational: bool = False, factory: Any = MISSING,

@@ -63,7 +63,7 @@ class RolloutConfig:
 @section
 class DataConfig:
     prompts_per_rank: int = knob(2, "Prompts each rank draws per step (each gives algorithm.group_size samples).")
-    shuffle: bool = knob(True, "Reshuffle the prompts every epoch (distflow.data.sampler).")
+    shuffle: bool = knob(True, "Reshuffle the prompts every epoch (distflow.tasks.sampler).")
 
     def checks(self) -> list[tuple[bool, str]]:
         return [(self.prompts_per_rank >= 1, "data.prompts_per_rank must be >= 1")]
@@ -79,15 +79,15 @@ class TaskConfig:
     system_prompt: Optional[str] = knob(None, "A system message put before each prompt that has none.")
     split: str = knob("train", "HF split expression for file datasets (e.g. train[:1000]).")
     heldout_path: str = knob("", "File tasks: the held-out split validation uses.")
-    reward: str = knob("numeric", "A built-in reward name or package.module:function (distflow.rewards.registry).")
+    reward: str = knob("numeric", "A built-in reward name or package.module:function (distflow.tasks.rewards.registry).")
     rewards: Dict[str, float] = knob(factory=dict, doc="A weighted combination {reward spec: weight}; when "
                                      "non-empty it replaces reward.")
     reward_timeout_s: float = knob(10.0, "Hard limit per reward call (and per environment step), enforced in the "
                                    "reward pool's worker processes.", operational=True)
     reward_workers: int = knob(2, "Reward worker processes per rank.", operational=True)
     env: str = knob(
-        "", "An environment for multi-turn episodes (distflow.envs): tools (the built-in tool-using environment, "
-        "distflow.envs.ToolEnv) or package.module:Class; empty: single-turn generation. Its steps run in the reward "
+        "", "An environment for multi-turn episodes (distflow.tasks.envs): tools (the built-in tool-using environment, "
+        "distflow.tasks.envs.ToolEnv) or package.module:Class; empty: single-turn generation. Its steps run in the reward "
         "pool's workers, under reward_timeout_s per step.")
     env_args: Dict[str, Any] = knob(factory=dict, doc="Keyword arguments of the environment's class.")
     gym_dataset: str = knob("basic_arithmetic", "name=reasoning_gym: the dataset's name.")

@@ -32,7 +32,7 @@ class RunConfig:
                                  "10% of a SmolLM2 step on CPU).", operational=True)
     allow_engine_mismatch: bool = knob(
         False, "A probe (at start-up and on probed steps) past what the dtype explains stops the run: the engine "
-        "would sample from another distribution than the policy trains (distflow.rollout.weight_sync.PROBE_LIMIT). "
+        "would sample from another distribution than the policy trains (distflow.probe.PROBE_LIMIT). "
         "true: warn and train anyway.", operational=True)
     memory_check: bool = knob(
         True, "On CUDA, estimate at start-up what each phase puts on a rank's GPU (engine, weights, AdamW state, "
@@ -43,7 +43,7 @@ class RunConfig:
         "(update/nonfinite_skipped); this many consecutive skipped steps stop the run.", operational=True)
     host_mmap_threshold_kib: int = knob(
         1024, "Host memory blocks of at least this many KiB get their own mapping, handed back to the OS when freed "
-        "(glibc's M_MMAP_THRESHOLD, distflow.distributed.hostmem); 0: glibc's default, which climbs to 32 MiB and "
+        "(glibc's M_MMAP_THRESHOLD, distflow.run.hostmem); 0: glibc's default, which climbs to 32 MiB and "
         "keeps freed activations resident (bench/memory.py).", operational=True)
     fault_inject: str = knob(
         "", "Test-only: RANK:STEP[:kill|raise|nan|kill_saving|sleep=S|stale_resync] fails that rank during that step "
@@ -67,7 +67,7 @@ class RunConfig:
 
 @section
 class CheckpointConfig:
-    """torch.distributed.checkpoint saves and resume (distflow.run.checkpoint, distflow.run.resume)."""
+    """torch.distributed.checkpoint saves and resume (distflow.checkpoint.checkpointer, distflow.run.resume)."""
 
     every: int = knob(0, "Save every N steps; 0: none besides the others below.", operational=True)
     every_s: float = knob(0.0, "Also save when this many seconds passed since the last save (the slowest rank's "
@@ -109,7 +109,7 @@ class ValidationConfig:
 @section
 class LoggingConfig:
     loggers: List[Logger] = knob(factory=lambda: ["console", "jsonl"], operational=True,
-                                 doc="Where step metrics go, several at once (distflow.run.loggers).")
+                                 doc="Where step metrics go, several at once (distflow.metrics.loggers).")
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = knob(
         "WARNING", "Third-party messages (vLLM, transformers, ...) on rank 0's console from this level up. Below INFO "
         "the warnings expected at start-up and on every resync are one line that counts them; INFO shows each. Every "
@@ -125,7 +125,7 @@ class LoggingConfig:
     sync_timing: bool = knob(
         False, "CUDA: wait for the device at every phase edge, so timing/* and throughput/* measure the device's work "
         "rather than when the host queued it (costs the host's run-ahead); no effect on CPU.", operational=True)
-    plot_at_end: bool = knob(True, "Write training.png at the end of the run (distflow.run.plot).", operational=True)
+    plot_at_end: bool = knob(True, "Write training.png at the end of the run (distflow.metrics.plot).", operational=True)
     straggler_warn_steps: int = knob(
         5, "Warn when the same rank has the most compute time (step minus timing/wait_s) for this many consecutive "
         "steps and is >10% slower than the fastest (a slow node); 0: never warn.", operational=True)

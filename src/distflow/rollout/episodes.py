@@ -4,7 +4,7 @@
     runner = EpisodeRunner(engine, pool, tokenizer, rollout_cfg, lockstep)
     groups = runner.run(items, n, seeds)              # [len(items)][n] Samples
 
-An episode alternates model turns and the environment's observations (distflow.envs). Every
+An episode alternates model turns and the environment's observations (distflow.tasks.envs). Every
 turn is one engine call for all of the rank's active episodes; the environment's steps for a
 turn are one batch in the reward pool's workers. Token in, token out: a sample's response is
 the generated ids and the observation ids concatenated exactly as they were appended, and the
@@ -27,8 +27,8 @@ import re
 from dataclasses import dataclass, field
 
 from distflow.config import ConfigError, RolloutConfig
-from distflow.data.prompts import PromptItem
-from distflow.rewards.pool import RewardPool
+from distflow.tasks.prompts import PromptItem
+from distflow.tasks.rewards.pool import RewardPool
 from distflow.rollout.base import RolloutEngine
 from distflow.rollout.groups import sample_seed
 from distflow.sample import EpisodeInfo, Sample

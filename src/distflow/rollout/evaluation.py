@@ -7,9 +7,9 @@ a correct answer).
 
 from __future__ import annotations
 
-from distflow.data.prompts import PromptItem
+from distflow.tasks.prompts import PromptItem
 from distflow.distributed import DistInfo, all_reduce
-from distflow.rewards.pool import RewardPool
+from distflow.tasks.rewards.pool import RewardPool
 from distflow.rollout.episodes import episode_sums
 from distflow.rollout.scoring import score_groups
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from distflow.data.prompts import PromptItem
+from distflow.tasks.prompts import PromptItem
 from distflow.rollout.scoring import REWARD_FAILURES
 from distflow.sample import Sample
 

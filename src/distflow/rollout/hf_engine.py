@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from distflow.config import ModelConfig, RolloutConfig
 from distflow.distributed.devices import torch_dtype
 from distflow.sample import Sample
-from distflow.train.batch import left_pad
+from distflow.sample import left_pad
 
 
 class HFEngine:

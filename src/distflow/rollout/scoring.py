@@ -1,5 +1,5 @@
 """Turn generated groups into rewards (decode, build reward calls, run them in the pool), and
-shape them into what the advantage estimator reads."""
+count what failed."""
 
 from __future__ import annotations
 
@@ -7,12 +7,9 @@ import logging
 
 import torch
 
-from distflow.algorithms import overlong_penalty, token_kl
-from distflow.config import AlgorithmConfig
-from distflow.data.prompts import PromptItem
-from distflow.rewards.pool import RewardPool
+from distflow.tasks.prompts import PromptItem
+from distflow.tasks.rewards.pool import RewardPool
 from distflow.sample import Sample
-from distflow.train.batch import TokenBatch
 
 log = logging.getLogger("distflow")
 REWARD_FAILURES = ("errors", "timeouts", "invalid")
@@ -58,24 +55,3 @@ def score_groups(pool: RewardPool, tokenizer, items: list[PromptItem], samples: 
 
 
 _warned: list[bool] = []  # the overflow warning is logged once per process
-
-
-def shape_rewards(rewards: torch.Tensor, tokens: TokenBatch, a: AlgorithmConfig, max_len: int,
-                  old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reward shaping between scoring and the advantage estimator: (scores [N], token rewards [N, R]).
-
-    - DAPO's soft overlong punishment (algorithm.overlong_buffer_len > 0, against max_len: the
-      response length limit) is added to the score.
-    - With algorithm.kl_in_reward, -beta * KL(old || ref) is a reward on every response token
-      (verl's kl_in_reward); sequence-level estimators sum it, GAE uses it per token.
-    """
-    mask = tokens.resp_mask  # on the training device, as everything below: the estimators run there
-    scores = rewards.reshape(-1).to(device=mask.device, dtype=torch.float32)
-    if a.overlong_buffer_len > 0:
-        scores = scores + overlong_penalty(tokens.resp_len.to(torch.float32), max_len, a.overlong_buffer_len,
-                                           a.overlong_penalty)
-    token_rewards = torch.zeros_like(mask)
-    if a.kl_coef > 0 and a.kl_in_reward and len(tokens):
-        token_rewards = -a.kl_coef * token_kl(old_logprobs, ref_logprobs, mask, a.kl_estimator)
-    return scores, token_rewards

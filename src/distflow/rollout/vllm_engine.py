@@ -17,7 +17,7 @@ reload. On CPU vLLM has no sleep mode and both calls do nothing.
 
 LoRA (`model.lora.resync=adapter`): the engine keeps the base weights it loaded from model.path
 and serves one adapter, replaced after every update by `load_adapter` from a folder in RAM
-(or on disk when RAM has no room: distflow.rollout.adapter_folder); every later request names it. Such an engine
+(or on disk when RAM has no room: distflow.models.adapter_folder); every later request names it. Such an engine
 does not sleep: level 2 would free the base weights, which no resync sends again. Only the
 adapter's target layers get LoRA slots (lora_targets); on CPU a mixture-of-experts model cannot
 be served with LoRA on (check_adapter_resync).
@@ -34,8 +34,8 @@ import torch
 
 from distflow.config import MAX_ENGINE_LORA_RANK, ConfigError, ModelConfig, RolloutConfig
 from distflow.distributed.devices import enforce_eager, torch_dtype
-from distflow.rollout.adapter_folder import AdapterFolder
-from distflow.rollout.weight_sync import CheckpointNames
+from distflow.models.adapter_folder import AdapterFolder
+from distflow.models.weight_names import CheckpointNames
 from distflow.sample import Sample
 
 
@@ -98,9 +98,7 @@ def lora_targets(hf_config, model: ModelConfig) -> list[str]:
     (vllm-project/vllm#29955)."""
     from transformers import AutoModelForCausalLM
 
-    from distflow.train.lora import default_targets
-    from distflow.train.model_init import skeleton
-    from distflow.train.policy import decoder_blocks
+    from distflow.models.anatomy import decoder_blocks, default_targets, skeleton
 
     targets = model.lora.target_modules or default_targets(
         decoder_blocks(skeleton(AutoModelForCausalLM, hf_config, model.trust_remote_code)))
@@ -111,7 +109,7 @@ def check_adapter_resync(config, on_cpu: bool) -> None:
     """With LoRA on, vLLM runs a mixture-of-experts layer through its Triton experts kernel
     whether or not the adapter targets the experts, and on CPU Triton has no compiler: every
     forward would fail. Refused before anything loads."""
-    from distflow.train.router import experts_of
+    from distflow.models.anatomy import experts_of
 
     if on_cpu and experts_of(config) is not None:
         raise ConfigError(f"model.lora.resync=adapter: vLLM on CPU cannot serve a LoRA adapter on {config.model_type} "

@@ -17,7 +17,7 @@ same line (distflow.run.preemption.StepBoundary); a traceback on one rank would 
 waiting in their next collective until its timeout.
 
 Library code logs through `logging.getLogger("distflow")` and never asks which rank it is on.
-Progress bars of loaders are turned off; the training bar (distflow.run.loggers) is written
+Progress bars of loaders are turned off; the training bar (distflow.metrics.loggers) is written
 around, never through.
 """
 

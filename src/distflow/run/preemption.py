@@ -6,7 +6,7 @@ rank or all of them, at any moment: the handler only sets a flag. At the next st
 the ranks agree through one all_reduce (`StepBoundary.decide`, which also carries the clock of
 checkpoint.every_s), all save the same step, and every rank exits with EXIT_STOPPED.
 A second signal changes nothing, and a save cut short by SIGKILL leaves only a `.tmp` folder
-that resume never picks (distflow.run.checkpoint), so the last complete checkpoint survives.
+that resume never picks (distflow.checkpoint.checkpointer), so the last complete checkpoint survives.
 
 The same all_reduce carries whether a rank's write into the run folder failed (a full disk
 under its log or metrics.jsonl, distflow.run.output.note_write_failure): then every rank raises
@@ -25,18 +25,11 @@ import time
 import torch.distributed as dist
 
 from distflow.distributed import all_reduce, rank_and_world, waiting
+from distflow.errors import RunAborted
 from distflow.run.output import pending_write_failure
 
-# The status of a rank that stopped on a signal after saving (EX_TEMPFAIL: try again later).
-# Relaunching with the same output folder resumes. torchrun itself reports 1 for it; the
-# launchers in launch/ turn that back into 75 through the stop file.
-EXIT_STOPPED = 75
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 STOP_FILE_ENV = "DISTFLOW_STOP_FILE"  # rank 0 writes {"step", "checkpoint", "signal"} there when it stops
-
-
-class RunAborted(RuntimeError):
-    """The run cannot go on (non-finite losses for too many steps, a full disk): one line, exit 1."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,17 +23,14 @@ import dataclasses
 import os
 from pathlib import Path
 
+from distflow.errors import RunComplete
 from distflow.config import ConfigError, DistflowConfig, config_differences, config_record
 from distflow.distributed import DistInfo, broadcast_object, shutdown
-from distflow.run.checkpoint import is_complete, latest_checkpoint, read_marker
+from distflow.checkpoint.checkpointer import is_complete, latest_checkpoint, read_marker
 from distflow.run.output import write_failure_line
 from distflow.run.rundir import RunDir
 
 RESTART_VARS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
-
-
-class RunComplete(Exception):
-    """The folder holds this run, already finished: nothing to train (exit 0)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,9 +6,9 @@
       config.json         the resolved config (distflow.config.config_record)
       metrics.jsonl       one row of metrics per step (the jsonl logger)
       summary.json        held-out pass@1 before/after, wall time, the last reward
-      training.png        the curves (distflow.run.plot)
+      training.png        the curves (distflow.metrics.plot)
       logs/rank_<r>.log   everything each rank logged
-      checkpoints/step_NNNNNN/   (distflow.run.checkpoint)
+      checkpoints/step_NNNNNN/   (distflow.checkpoint.checkpointer)
       hf_model/  adapter/ the exported policy (checkpoint.export_at_end; adapter: LoRA)
       wandb/  wandb_run_id  tb/   the W&B and TensorBoard loggers' files
       previous/<time>/    an earlier run's files, set aside by a fresh start

@@ -1,5 +1,8 @@
-"""Tasks: a dataset of prompts plus the reward that scores completions on it."""
+"""Tasks: the prompts of each split and how they render, the reward that scores completions, and
+the environment that answers a multi-turn episode's turns (rewards/, envs/)."""
 
 from distflow.tasks.gym import gym_reward, gym_rows
+from distflow.tasks.prompts import PromptItem, load_prompts
+from distflow.tasks.sampler import ShardedSampler
 
-__all__ = ["gym_reward", "gym_rows"]
+__all__ = ["PromptItem", "ShardedSampler", "gym_reward", "gym_rows", "load_prompts"]

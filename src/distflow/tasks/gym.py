@@ -28,7 +28,7 @@ from functools import lru_cache
 from typing import Any
 
 from distflow.config import ConfigError, TaskConfig
-from distflow.rewards.numeric import extract_answer
+from distflow.tasks.rewards.numeric import extract_answer
 
 # Appended to the questions of the datasets listed here; other datasets' questions are used as
 # written (many, e.g. countdown, carry their own answer-format rules; task.system_prompt can add

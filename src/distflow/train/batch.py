@@ -15,7 +15,7 @@ from typing import Union
 
 import torch
 
-from distflow.sample import Sample
+from distflow.sample import Sample, left_pad
 
 
 @dataclass(frozen=True)
@@ -173,17 +173,6 @@ class UpdateBatch:
 
     def with_(self, **fields) -> "UpdateBatch":
         return replace(self, **fields)
-
-
-def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists as [N, longest] ids and attention mask, each sequence ending at the last column."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-        mask[i, width - len(s):] = 1
-    return ids, mask
 
 
 def pad_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:

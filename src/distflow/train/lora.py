@@ -24,19 +24,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from distflow.config import ConfigError, LoraConfig
+from distflow.models.adapter_folder import CONFIG_FILE, WEIGHTS_FILE, write_adapter_folder
+from distflow.models.anatomy import default_targets
 
 ADAPTER = "default"  # PEFT's adapter name inside the model
-WEIGHTS_FILE = "adapter_model.safetensors"
-CONFIG_FILE = "adapter_config.json"
 _BASE = ".base_layer."
 _ADAPTER_KEYS = (f".lora_A.{ADAPTER}.", f".lora_B.{ADAPTER}.")
-
-
-def default_targets(blocks: list[torch.nn.Module]) -> list[str]:
-    """The leaf names of every nn.Linear inside the decoder blocks (q_proj, ..., down_proj)."""
-    names = {name.rsplit(".", 1)[-1] for block in blocks for name, m in block.named_modules()
-             if isinstance(m, torch.nn.Linear)}
-    return sorted(names)
 
 
 def peft_config(cfg: LoraConfig, blocks: list[torch.nn.Module], base_path: str = ""):
@@ -119,7 +112,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def merged_parameters(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor in `dtype`) for every parameter of the model, adapters (if any)
     folded in: W + alpha/r * B @ A, computed in float32 from the gathered base and adapters, then
-    cast. Collective, in named_parameters() order; weight_sync.full_parameters buckets it.
+    cast. Collective, in named_parameters() order; weight_stream.full_parameters buckets it.
 
     Written here rather than with PEFT's merge: PEFT merges into the (sharded) base weight in
     place, and the policy must keep training on the unmerged base."""
@@ -157,23 +150,6 @@ def file_key(name: str) -> str:
     for key in _ADAPTER_KEYS:
         name = name.replace(key, key.replace(f".{ADAPTER}.", "."))
     return f"base_model.model.{name}"
-
-
-def write_adapter_folder(tensors: dict[str, torch.Tensor], config, folder: str) -> str:
-    """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) that PEFT's
-    PeftModel.from_pretrained and vLLM's LoRARequest load. The weights are written to a temporary
-    name and renamed, so a reader never sees half a file."""
-    from safetensors.torch import save_file
-
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{WEIGHTS_FILE}.tmp")
-    save_file(tensors, tmp, metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(folder, WEIGHTS_FILE))
-    record = config.to_dict()
-    record["target_modules"] = sorted(record["target_modules"])
-    with open(os.path.join(folder, CONFIG_FILE), "w") as f:
-        json.dump(record, f, indent=2, default=str)
-    return folder
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:

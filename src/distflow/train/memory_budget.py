@@ -107,7 +107,7 @@ def check_memory_budget(cfg: DistflowConfig, model_path: str, layout, critic_pat
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from distflow.distributed.devices import torch_dtype
-    from distflow.train.model_init import skeleton
+    from distflow.models.anatomy import skeleton
 
     def shape(path: str) -> ModelShape:
         config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)

@@ -13,7 +13,6 @@ rank receives the same bytes (the full model, one tensor at a time) either way.
 
 from __future__ import annotations
 
-import copy
 import functools
 from typing import Callable
 
@@ -21,22 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-
-def attention_kwargs(config) -> dict:
-    """Soft-capped attention scores (Gemma 2) are computed only by transformers' eager attention:
-    its SDPA path drops the cap, and the policy would then differ from the engine, which applies
-    it. Every other model keeps transformers' default (SDPA)."""
-    return {"attn_implementation": "eager"} if getattr(config, "attn_logit_softcapping", None) else {}
-
-
-def skeleton(auto_cls, config, trust_remote_code: bool = False) -> torch.nn.Module:
-    """`auto_cls`'s model for `config` (fp32, as the full load) with every parameter and buffer on
-    the meta device: no memory and no init work. It draws nothing from the global RNG, so rank 0's
-    load in `materialize` draws exactly what every rank's load drew before (the critic's fresh
-    head depends on it)."""
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
-        return auto_cls.from_config(copy.deepcopy(config), dtype=torch.float32, trust_remote_code=trust_remote_code,
-                                    **attention_kwargs(config))
+from distflow.models.anatomy import attention_kwargs, skeleton
 
 
 def initial_model(auto_cls, model_path: str, config, meta_device: bool,

@@ -22,6 +22,7 @@ from distflow.config import ModelConfig, OptimConfig
 from distflow.distributed import all_reduce
 from distflow.distributed.devices import torch_dtype
 from distflow.distributed.layout import ParallelLayout
+from distflow.models.anatomy import decoder_blocks, experts_of, skeleton
 from distflow.train.shared_prefix import Batch, install
 from distflow.train.shared_prefix import PackedRows
 from distflow.train.grad_sync import ReplicaGradReducer
@@ -34,18 +35,8 @@ from distflow.train.lora import (
     peft_config,
     trainable_parameters,
 )
-from distflow.train.model_init import initial_model, is_meta, materialize, skeleton
-from distflow.train.router import RouterStats, aux_loss_coef, experts_of, router_stats
-
-
-def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        layers = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), None)
-    if layers is None:
-        raise ValueError(f"cannot find the decoder blocks of {type(model).__name__} to shard")
-    return list(layers)
+from distflow.train.model_init import initial_model, is_meta, materialize
+from distflow.train.router import RouterStats, aux_loss_coef, router_stats
 
 
 def _backward_order(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> list[torch.nn.Parameter]:

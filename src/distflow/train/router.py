@@ -15,12 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-def experts_of(config) -> tuple[int, int] | None:
-    """(experts per layer, experts per token) of a mixture-of-experts config, else None."""
-    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
-    top_k = getattr(config, "num_experts_per_tok", None)
-    return (int(experts), int(top_k)) if experts and top_k else None
+from distflow.models.anatomy import experts_of
 
 
 def aux_loss_coef(config, asked: float | None) -> float:

@@ -8,7 +8,7 @@ import math
 import operator
 from typing import Callable
 
-from distflow.envs.tools import ToolResult, check_output_limit, error_result, string_argument, truncate
+from distflow.tasks.envs.tools import ToolResult, check_output_limit, error_result, string_argument, truncate
 
 
 class _CalcError(Exception):

@@ -20,7 +20,7 @@ A checkpoint written by N ranks loads on M: DCP reshards the sharded states, and
 did not exist gets rank 0's rank-scoped state, or what the object's `state_for_new_rank`
 derives from it (RNGState derives fresh streams from the run seed, the step and the rank).
 
-A checkpoint is data: DCP's files are read through distflow.run.checkpoint_reader, which runs
+A checkpoint is data: DCP's files are read through distflow.checkpoint.reader, which runs
 no code from them, and a marker that is not the JSON a save writes is a torn checkpoint. A save
 that fails on any rank (a full disk, a file over its size limit) fails on every rank at the same
 point, with one line, and leaves the previous checkpoint as the latest.
@@ -46,16 +46,16 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from distflow.config import ConfigError
 from distflow.distributed import all_reduce, rank_and_world
-from distflow.run.checkpoint_reader import is_count, is_plain_name, load_checkpoint
+from distflow.checkpoint.reader import is_count, is_plain_name, load_checkpoint
 from distflow.run.output import free_space
-from distflow.run.preemption import RunAborted
+from distflow.errors import RunAborted
 
 log = logging.getLogger("distflow")
 
 MARKER = "COMPLETE"
 FORMAT = 3  # 1: the first layout (policy under "app"); 2: the registry; 3: sectioned config, no history
 SCOPES = ("sharded", "rank", "shared")
-POLICY = "policy"  # the policy's name in the registry: DCP keys start with it (distflow.run.export reads them)
+POLICY = "policy"  # the policy's name in the registry: DCP keys start with it (distflow.checkpoint.export reads them)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 

@@ -17,17 +17,17 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distflow.config import ConfigError, LoraConfig
-from distflow.run.checkpoint import POLICY, read_marker
-from distflow.run.checkpoint_reader import load_checkpoint, read_metadata
+from distflow.checkpoint.checkpointer import POLICY, read_marker
+from distflow.checkpoint.reader import load_checkpoint, read_metadata
 from distflow.train.lora import (
     adapter_tensors,
     add_adapters,
     is_adapter_key,
     merged_parameters,
     peft_config,
-    write_adapter_folder,
 )
-from distflow.train.policy import decoder_blocks
+from distflow.models.adapter_folder import write_adapter_folder
+from distflow.models.anatomy import decoder_blocks
 
 
 def save_hf_folder(model_path: str, state_dict: dict[str, torch.Tensor], out_dir: str) -> str:

@@ -19,7 +19,7 @@ import re
 from collections import Counter
 from fractions import Fraction
 
-from distflow.rewards.numeric import _braced, numeric_match
+from distflow.tasks.rewards.numeric import _braced, numeric_match
 
 
 # ----------------------------------------------------------------------------- math

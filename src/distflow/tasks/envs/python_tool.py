@@ -1,4 +1,4 @@
-"""The python tool: runs policy-written code in a sandbox (distflow.envs.sandbox: a read-only system, a private
+"""The python tool: runs policy-written code in a sandbox (distflow.tasks.envs.sandbox: a read-only system, a private
 /tmp, its own PID, user and network namespaces, an unprivileged uid, rlimits), killed with all of its processes
 at the timeout, its output read bounded. Where no sandbox works it refuses to start, unless the environment
 sets allow_unisolated: then the code runs as before sandboxes (rlimits, a network namespace where unshare works,
@@ -20,15 +20,15 @@ import time
 from typing import Callable, Optional
 
 from distflow.config import ConfigError
-from distflow.envs.sandbox import MECHANISMS, Limits, Sandbox, SandboxUnavailable, base_env, capped, find
-from distflow.envs.tools import ToolResult, check_output_limit, cut_text, error_result, string_argument
+from distflow.tasks.envs.sandbox import MECHANISMS, Limits, Sandbox, SandboxUnavailable, base_env, capped, find
+from distflow.tasks.envs.tools import ToolResult, check_output_limit, cut_text, error_result, string_argument
 
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
 FILE_SIZE_LIMIT = 16 << 20  # bytes any one file the code writes may reach (RLIMIT_FSIZE)
 TMP_SIZE = 64 << 20  # bytes of the sandbox's /tmp (a tmpfs: memory, beside the address-space limit)
 # Processes (and threads) the code may run, set only inside its own user namespace: there the kernel counts
 # the namespace's processes alone; outside it, RLIMIT_NPROC counts all of the user's processes, the worker's too.
-# The kernel does not apply it to root: root's sandboxes run as uid 65534 (distflow.envs.sandbox).
+# The kernel does not apply it to root: root's sandboxes run as uid 65534 (distflow.tasks.envs.sandbox).
 PROCESS_LIMIT = 64
 # Seconds a call may take beyond timeout_s: the sandbox's start-up (~0.05-0.2 s) and tear-down, with room for
 # a loaded machine. ToolEnv adds it to timeout_s to check that a turn's calls fit in task.reward_timeout_s.
@@ -153,7 +153,7 @@ class _Head:
 class PythonExecutor:
     """Run a Python program in a fresh, limited subprocess and return what it printed (stdout + stderr merged).
 
-    The program runs in a sandbox (distflow.envs.sandbox): the base interpreter's standard library only, a
+    The program runs in a sandbox (distflow.tasks.envs.sandbox): the base interpreter's standard library only, a
     read-only system and a private 64 MiB /tmp as its working folder and HOME (nothing of the user's home, the
     project, the virtual environment or the run folder), its own PID namespace, no network, a minimal
     environment (PATH, LANG, LC_ALL, HOME), an unprivileged uid without capabilities, and rlimits on CPU time,

@@ -1,4 +1,4 @@
-"""What a tool is: the protocol the built-in tools (distflow.envs.calculator, distflow.envs.python_tool)
+"""What a tool is: the protocol the built-in tools (distflow.tasks.envs.calculator, distflow.tasks.envs.python_tool)
 follow, their result, and the helpers they share.
 
 A tool is called with the decoded "arguments" object of a tool call and never raises: bad arguments,

@@ -54,7 +54,7 @@ def load_prompts(task: TaskConfig, tokenizer, max_prompt_tokens: int, split: str
     A missing/unreadable/empty file, a non-UTF-8 text file, a prompt or answer column that does
     not exist, or no usable row at all raises ConfigError.
 
-    With an environment (distflow.envs) its `reset(row, messages)` gives each episode's first
+    With an environment (distflow.tasks.envs) its `reset(row, messages)` gives each episode's first
     messages (the length limit applies to what it returns).
     """
     rows, source = _task_rows(task, split)

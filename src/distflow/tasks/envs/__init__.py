@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 
 from distflow.config import ConfigError
 from distflow.config.specs import resolve
-from distflow.envs.calculator import Calculator
-from distflow.envs.parsers import ToolCallError, load_parser
-from distflow.envs.python_tool import STARTUP_ALLOWANCE_S, PythonExecutor
-from distflow.envs.tools import Tool, truncate
+from distflow.tasks.envs.calculator import Calculator
+from distflow.tasks.envs.parsers import ToolCallError, load_parser
+from distflow.tasks.envs.python_tool import STARTUP_ALLOWANCE_S, PythonExecutor
+from distflow.tasks.envs.tools import Tool, truncate
 
 
 @dataclass
@@ -68,7 +68,7 @@ class ToolEnv:
     may make; the ones past it are answered with an error, not run. A turn's step must end within
     task.reward_timeout_s, which the reward pool checks at start-up (check_step_timeout).
     `allow_unisolated`: let the python tool run without a sandbox where none works (its code then
-    runs with the worker's rights; see distflow.envs.python_tool).
+    runs with the worker's rights; see distflow.tasks.envs.python_tool).
     """
 
     def __init__(self, tools: list[str] = ("calculator",), parser: str = "hermes", timeout_s: float = 5.0,
@@ -182,5 +182,5 @@ def build_env(spec: str, args: dict):
         raise ConfigError(f"task.env {spec!r} with task.env_args {args}: {type(e).__name__}: {e}") from e
     for method in ("reset", "step"):
         if not callable(getattr(env, method, None)):
-            raise ConfigError(f"task.env {spec!r} has no {method}() method (see distflow.envs)")
+            raise ConfigError(f"task.env {spec!r} has no {method}() method (see distflow.tasks.envs)")
     return env

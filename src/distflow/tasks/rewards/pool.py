@@ -48,8 +48,8 @@ from collections import deque
 from multiprocessing.connection import Connection, wait
 
 from distflow.config import ConfigError
-from distflow.envs import Step, build_env
-from distflow.rewards.registry import load_reward
+from distflow.tasks.envs import Step, build_env
+from distflow.tasks.rewards.registry import load_reward
 
 log = logging.getLogger("distflow")
 START_TIMEOUT_S = 120.0  # a worker that cannot import its rewards in this time is an environment problem
@@ -141,7 +141,7 @@ def _read_all(fd: int) -> bytes:
 
 # The worker's command line: its socket's fd, the parent pid, the fd of a file holding [specs, env] as JSON,
 # then this process's sys.path entries.
-_BOOT = ("import sys; sys.path[:] = sys.argv[4:]; from distflow.rewards.pool import _worker_main; "
+_BOOT = ("import sys; sys.path[:] = sys.argv[4:]; from distflow.tasks.rewards.pool import _worker_main; "
          "_worker_main(*map(int, sys.argv[1:4]))")
 
 
@@ -177,7 +177,7 @@ class RewardPool:
                 raise ConfigError(f"reward {s!r} with weight {w!r}: need a spec string and a finite weight")
         # Resolve every spec here first: a typo fails at start-up as a ConfigError, not in a worker.
         self._fns = [load_reward(s) for s, _ in self.components]
-        # An environment's steps run here too (distflow.envs), under the same limit; building it
+        # An environment's steps run here too (distflow.tasks.envs), under the same limit; building it
         # here first makes a bad task.env a ConfigError before any process starts.
         # The instance built here also serves the caller (its reset builds the prompts).
         self._env = [env, dict(env_args or {})] if env else None

@@ -7,7 +7,7 @@ Every reward has one signature, so built-ins and user functions are interchangea
 `item` is the dataset row (the reference answer is `item[task.answer_key]`, also given as
 `item["answer"]` when the row has no such column). A spec is a built-in name or a dotted path
 `package.module:function`. Built-ins: numeric, math, gsm8k, countdown, format, length_penalty, tool_use
-(see distflow.rewards.builtin). Rewards are run by distflow.rewards.pool.RewardPool, in worker
+(see distflow.tasks.rewards.builtin). Rewards are run by distflow.tasks.rewards.pool.RewardPool, in worker
 processes that resolve the spec themselves, so a user function need not be picklable.
 
 A reward may carry a `prepare` attribute (a no-argument callable): pool workers call it once at
@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Callable
 
 from distflow.config.specs import resolve
-from distflow.rewards.builtin import (
+from distflow.tasks.rewards.builtin import (
     countdown_reward,
     format_reward,
     gsm8k_reward,
@@ -27,7 +27,7 @@ from distflow.rewards.builtin import (
     math_reward,
     tool_use_reward,
 )
-from distflow.rewards.numeric import numeric_match
+from distflow.tasks.rewards.numeric import numeric_match
 
 RewardFn = Callable[[str, str, list, dict], float]
 

@@ -35,7 +35,7 @@ from typing import Any
 from distflow.config import LoggingConfig
 from distflow.distributed import all_reduce
 from distflow.run.output import note_write_failure, write_failure_line, write_line
-from distflow.run.preemption import RunAborted
+from distflow.errors import RunAborted
 from distflow.run.rundir import RunDir
 
 log = logging.getLogger("distflow")
@@ -259,7 +259,7 @@ class MetricLogger:
         try:
             self.run.summary.write_text(json.dumps(summary, indent=2), encoding="utf-8")
             if plots:
-                from distflow.run.plot import write_plots
+                from distflow.metrics.plot import write_plots
 
                 for plot in write_plots(self.run):
                     log.info(f"plot: {plot}")

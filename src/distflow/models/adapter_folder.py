@@ -1,4 +1,4 @@
-"""Where a vLLM engine reads the LoRA adapter from after every update (vLLM 0.32 loads adapters
+"""The PEFT adapter folder (`write_adapter_folder`: what PEFT and vLLM load), and where a vLLM engine reads the LoRA adapter from after every update (vLLM 0.32 loads adapters
 from folders only): a folder in RAM (/dev/shm) while that has room, else one on disk.
 
 The adapter is written in the engine's dtype (a bf16 engine gets half the bytes of the float32
@@ -10,6 +10,7 @@ on disk for the rest of the run, with one line in the log.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -18,7 +19,26 @@ import tempfile
 import torch
 
 log = logging.getLogger("distflow")
-SLACK_BYTES = 1 << 20  # the config file, safetensors' header, the file system's own blocks
+SLACK_BYTES = 1 << 20
+WEIGHTS_FILE = "adapter_model.safetensors"  # PEFT's file names
+CONFIG_FILE = "adapter_config.json"  # the config file, safetensors' header, the file system's own blocks
+
+
+def write_adapter_folder(tensors: dict[str, torch.Tensor], config, folder: str) -> str:
+    """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) that PEFT's
+    PeftModel.from_pretrained and vLLM's LoRARequest load. The weights are written to a temporary
+    name and renamed, so a reader never sees half a file."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{WEIGHTS_FILE}.tmp")
+    save_file(tensors, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(folder, WEIGHTS_FILE))
+    record = config.to_dict()
+    record["target_modules"] = sorted(record["target_modules"])
+    with open(os.path.join(folder, CONFIG_FILE), "w") as f:
+        json.dump(record, f, indent=2, default=str)
+    return folder
 
 
 def writable_dir(path: str | None) -> str | None:
@@ -34,8 +54,6 @@ class AdapterFolder:
 
     def write(self, tensors: dict[str, torch.Tensor], config) -> str:
         """The folder holding `tensors` (PEFT file names) and `config`, in the engine's dtype."""
-        from distflow.train.lora import write_adapter_folder
-
         tensors = {k: v.detach().to(self.dtype).contiguous() for k, v in tensors.items()}
         need = sum(t.numel() * t.element_size() for t in tensors.values()) + SLACK_BYTES
         free = shutil.disk_usage(self.path).free

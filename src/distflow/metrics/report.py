@@ -8,10 +8,7 @@ critic, ...). The trainer never names a metric key.
 
 from __future__ import annotations
 
-import time
-from contextlib import contextmanager
 from dataclasses import fields
-from typing import Callable
 
 import torch
 
@@ -21,7 +18,7 @@ from distflow.distributed import rank_and_world
 from distflow.rollout.episodes import episode_sums
 from distflow.rollout.groups import RolloutStats
 from distflow.rollout.scoring import REWARD_FAILURES
-from distflow.run.loggers import reduce_step_metrics
+from distflow.metrics.loggers import reduce_step_metrics
 from distflow.sample import Sample
 from distflow.train.update import UpdateResult
 
@@ -192,28 +189,3 @@ def run_summary(steps: int, wall_s: float, world_size: int, evaluations: dict[st
     if last_metrics:
         summary["final_reward_mean"] = last_metrics["reward/mean"]
     return summary
-
-
-_phase_edge: Callable[[], None] | None = None  # set by sync_phase_edges
-
-
-def sync_phase_edges(device: torch.device, enabled: bool) -> None:
-    """logging.sync_timing: on CUDA the host queues kernels and runs ahead, so a phase's host-clock
-    time is when its work was queued, not done. With this on, every phase edge waits for the
-    device first (a cost: the host can no longer run ahead across phases). A no-op on CPU."""
-    global _phase_edge
-    _phase_edge = torch.cuda.synchronize if enabled and device.type == "cuda" else None
-
-
-@contextmanager
-def timed(out: dict[str, float], key: str):
-    """Adds the wall time of the block to out[key] (so repeated phases accumulate)."""
-    if _phase_edge is not None:
-        _phase_edge()
-    t = time.perf_counter()
-    try:
-        yield
-    finally:
-        if _phase_edge is not None:
-            _phase_edge()
-        out[key] = out.get(key, 0.0) + time.perf_counter() - t
