@@ -1,24 +1,25 @@
 """The one description of a run: typed sections, each field with its doc and whether it is
 operational (may change on resume), choices as Literal, one validation pass before anything
-loads, one config record, old key spellings, and resolving user-named callables.
+loads, one config record, old key spellings, and resolving user-named callables. Each section's
+dataclass lives in the module named after it (config.model, config.optim, ..., config.logging).
 
 docs/configuration.md is generated from here (`python -m distflow config-docs`).
 """
 
 from distflow.config.algorithm import CRITIC_ESTIMATORS, AlgorithmConfig
 from distflow.config.aliases import rename_overrides
+from distflow.config.checkpoint import CheckpointConfig
+from distflow.config.critic import CriticConfig
+from distflow.config.data import DataConfig
 from distflow.config.fields import ConfigError, hydra_schema
-from distflow.config.model import (
-    BUILTIN_MODELS,
-    MAX_ENGINE_LORA_RANK,
-    CriticConfig,
-    LoraConfig,
-    ModelConfig,
-    OptimConfig,
-)
-from distflow.config.rollout import DataConfig, RolloutConfig, TaskConfig
-from distflow.config.run import CheckpointConfig, LoggingConfig, RunConfig, ValidationConfig
+from distflow.config.logging import LoggingConfig
+from distflow.config.model import BUILTIN_MODELS, MAX_ENGINE_LORA_RANK, LoraConfig, ModelConfig
+from distflow.config.optim import OptimConfig
+from distflow.config.rollout import RolloutConfig
+from distflow.config.run import RunConfig
 from distflow.config.schema import OPERATIONAL, DistflowConfig, config_differences, config_record
+from distflow.config.task import TaskConfig
+from distflow.config.validation import ValidationConfig
 
 __all__ = [
     "BUILTIN_MODELS", "CRITIC_ESTIMATORS", "MAX_ENGINE_LORA_RANK", "OPERATIONAL", "AlgorithmConfig", "CheckpointConfig",

@@ -1,8 +1,8 @@
-"""The model sections: which model, how it is sharded and computed, LoRA, the optimizer, the critic."""
+"""The model section: which model, how it is sharded and computed, and its LoRA subsection
+(model.lora); the names of the built-in models and the check every model path gets."""
 
 from __future__ import annotations
 
-import math
 import os
 from typing import List, Literal, Optional
 
@@ -113,61 +113,3 @@ def model_path_checks(path: str, key: str) -> list[tuple[bool, str]]:
     looks_local = path.startswith(("/", ".", "~")) or os.path.exists(path) or path.count("/") != 1
     return [(not looks_local or os.path.isdir(os.path.expanduser(path)),
              f"{key} {path!r} is not a folder (expected a local HF model folder or a hub name)")]
-
-
-@section
-class OptimConfig:
-    lr: float = knob(1e-5, "AdamW's learning rate for the policy.")
-    weight_decay: float = knob(0.0, "AdamW's decoupled weight decay.")
-    beta1: float = knob(0.9, "AdamW's beta1.")
-    beta2: float = knob(0.999, "AdamW's beta2.")
-    warmup_steps: int = knob(0, "Linear learning-rate warm-up over this many optimizer steps.")
-    max_grad_norm: float = knob(1.0, "Gradients are clipped to this global norm.")
-    mini_batches: int = knob(1, "Optimizer steps per rollout batch (per PPO epoch).")
-    micro_batch_size: int = knob(8, "Sequences per forward/backward pass.", operational=True)
-    micro_batch_tokens: int = knob(
-        0, "> 0: micro-batches by token budget instead (sequences x longest, padding included); either way sequences "
-        "of similar length are batched together. With a shared prefix: packed tokens per micro-batch (0: "
-        "micro_batch_size x the batch's longest sequence, the padded path's largest micro-batch).", operational=True)
-    shared_prefix: Literal["auto", "on", "off"] = knob(
-        "auto", "Packed rows that compute each group's prompt once (each response attends to it) in every "
-        "forward over the batch: the same logprobs and gradients as padded rows, for fewer tokens. auto: on "
-        "whenever algorithm.group_size > 1; off: one padded row per sample.", operational=True)
-
-    def checks(self) -> list[tuple[bool, str]]:
-        return [
-            (self.micro_batch_size >= 1 and self.mini_batches >= 1,
-             "optim.micro_batch_size and optim.mini_batches must be >= 1"),
-            (self.micro_batch_tokens >= 0, f"optim.micro_batch_tokens must be >= 0 (0 = off), got {self.micro_batch_tokens}"),
-            # AdamW's own rules, checked here so a mistake stops before any weights load
-            (0 <= self.lr < math.inf, f"optim.lr must be >= 0, got {self.lr}"),
-            (0 <= self.weight_decay < math.inf, f"optim.weight_decay must be >= 0, got {self.weight_decay}"),
-            (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
-             f"optim.beta1 and optim.beta2 must be in [0, 1), got {self.beta1}, {self.beta2}"),
-            (self.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {self.warmup_steps}"),
-            (0 < self.max_grad_norm < math.inf, f"optim.max_grad_norm must be > 0, got {self.max_grad_norm}"),
-        ]
-
-
-@section
-class CriticConfig:
-    """PPO's value model. It exists exactly when the advantage estimator needs values (algorithm.advantage=gae)."""
-
-    path: str = knob("", "The critic's backbone; empty: the policy's model.path (same backbone, a fresh value head).")
-    lr: float = knob(1e-5, "AdamW's learning rate for the critic.")
-    lr_warmup_steps: int = knob(0, "Linear learning-rate warm-up of the critic's optimizer.")
-    warmup_steps: int = knob(
-        0, "Steps at the start that train only the critic, so the actor's first advantages come from a value "
-        "function that has seen some returns (verl's critic_warmup).")
-    value_clip: Optional[float] = knob(
-        0.5, "Value clipping: predictions move at most this far from the rollout-time values (null: off).")
-
-    def checks(self) -> list[tuple[bool, str]]:
-        """Checked when there is a critic (DistflowConfig.validate asks only then)."""
-        return [
-            (self.lr > 0 and self.warmup_steps >= 0 and self.lr_warmup_steps >= 0,
-             "critic.lr must be > 0 and critic.warmup_steps, critic.lr_warmup_steps >= 0"),
-            (self.value_clip is None or self.value_clip > 0,
-             f"critic.value_clip must be > 0 (or null), got {self.value_clip}"),
-            *(model_path_checks(self.path, "critic.path") if self.path else []),
-        ]

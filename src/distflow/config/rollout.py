@@ -1,9 +1,8 @@
-"""The rollout sections: the engine and its sampling, the data each rank draws, and the task
-(prompts, answers, rewards, an environment for multi-turn episodes)."""
+"""The rollout section: the engine, its sampling and memory, and multi-turn episodes' lengths."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Literal, Optional
+from typing import Literal, Optional
 
 from distflow.config.fields import knob, section
 
@@ -57,55 +56,4 @@ class RolloutConfig:
              f"got {self.max_total_tokens}"),
             (self.kv_cache_gib is None or self.kv_cache_gib > 0,
              f"rollout.kv_cache_gib must be > 0, got {self.kv_cache_gib}"),
-        ]
-
-
-@section
-class DataConfig:
-    prompts_per_rank: int = knob(2, "Prompts each rank draws per step (each gives algorithm.group_size samples).")
-    shuffle: bool = knob(True, "Reshuffle the prompts every epoch (distflow.tasks.sampler).")
-
-    def checks(self) -> list[tuple[bool, str]]:
-        return [(self.prompts_per_rank >= 1, "data.prompts_per_rank must be >= 1")]
-
-
-@section
-class TaskConfig:
-    name: Literal["jsonl", "reasoning_gym"] = knob(
-        "jsonl", "jsonl: prompts from a local file or a Hub dataset (path); reasoning_gym: a procedural task.")
-    path: str = knob("", "A local jsonl/json/parquet/csv file, or a Hub dataset owner/name[:config][@split].")
-    prompt_key: str = knob("prompt", "The prompt column: a string (one user turn) or chat messages.")
-    answer_key: str = knob("answer", "The reference answer's column (every reward sees it as item['answer']).")
-    system_prompt: Optional[str] = knob(None, "A system message put before each prompt that has none.")
-    split: str = knob("train", "HF split expression for file datasets (e.g. train[:1000]).")
-    heldout_path: str = knob("", "File tasks: the held-out split validation uses.")
-    reward: str = knob("numeric", "A built-in reward name or package.module:function (distflow.tasks.rewards.registry).")
-    rewards: Dict[str, float] = knob(factory=dict, doc="A weighted combination {reward spec: weight}; when "
-                                     "non-empty it replaces reward.")
-    reward_timeout_s: float = knob(10.0, "Hard limit per reward call (and per environment step), enforced in the "
-                                   "reward pool's worker processes.", operational=True)
-    reward_workers: int = knob(2, "Reward worker processes per rank.", operational=True)
-    env: str = knob(
-        "", "An environment for multi-turn episodes (distflow.tasks.envs): tools (the built-in tool-using environment, "
-        "distflow.tasks.envs.ToolEnv) or package.module:Class; empty: single-turn generation. Its steps run in the reward "
-        "pool's workers, under reward_timeout_s per step.")
-    env_args: Dict[str, Any] = knob(factory=dict, doc="Keyword arguments of the environment's class.")
-    gym_dataset: str = knob("basic_arithmetic", "name=reasoning_gym: the dataset's name.")
-    gym_config: Dict[str, Any] = knob(factory=dict, doc="name=reasoning_gym: the dataset's config.")
-    size: int = knob(1000, "name=reasoning_gym: training items.")
-    seed: int = knob(0, "name=reasoning_gym: the training items' seed.")
-    heldout_size: int = knob(0, "name=reasoning_gym: held-out items (0: no held-out split).")
-    heldout_seed: int = knob(1_000_003, "name=reasoning_gym: a different seed, so held-out items are disjoint from "
-                             "training.")
-
-    @property
-    def has_heldout(self) -> bool:
-        return self.heldout_size >= 1 if self.name == "reasoning_gym" else bool(self.heldout_path)
-
-    def checks(self) -> list[tuple[bool, str]]:
-        return [
-            (self.name != "jsonl" or bool(self.path),
-             "task.path is not set: give a local jsonl/json/parquet/csv file or a hub dataset name"),
-            (self.reward_timeout_s > 0 and self.reward_workers >= 0,
-             "task.reward_timeout_s must be > 0 and task.reward_workers >= 0"),
         ]

@@ -1,13 +1,11 @@
-"""The run's own sections, in torchtitan's manner: the run itself (length, seed, folder, where it
-executes), checkpointing and resume, validation on the held-out split, and logging."""
+"""The run section, in torchtitan's manner: the run itself (length, seed, folder, where it
+executes, its probes and guards)."""
 
 from __future__ import annotations
 
-from typing import List, Literal
+from typing import Literal
 
 from distflow.config.fields import knob, section
-
-Logger = Literal["console", "jsonl", "wandb", "tensorboard"]
 
 
 @section
@@ -63,73 +61,3 @@ class RunConfig:
             (self.backend != "nccl" or self.device != "cpu",
              "run.backend=nccl needs CUDA, but run.device=cpu (use gloo or auto)"),
         ]
-
-
-@section
-class CheckpointConfig:
-    """torch.distributed.checkpoint saves and resume (distflow.checkpoint.checkpointer, distflow.run.resume)."""
-
-    every: int = knob(0, "Save every N steps; 0: none besides the others below.", operational=True)
-    every_s: float = knob(0.0, "Also save when this many seconds passed since the last save (the slowest rank's "
-                          "clock); 0: off.", operational=True)
-    at_end: bool = knob(True, "Save the final state (needed to continue a run with more steps).", operational=True)
-    keep_last: int = knob(2, "Complete checkpoints kept; older ones are deleted.", operational=True)
-    resume: str = knob(
-        "auto", "auto: continue the newest checkpoint in run.output_dir if the same run wrote it (a different config "
-        "stops with what differs; a finished run exits 0), else start fresh; never: start fresh; force: continue the "
-        "newest checkpoint whatever changed (e.g. more steps); or a checkpoint folder. A fresh start moves an "
-        "earlier run's files to output_dir/previous/<time>/. SIGTERM or SIGUSR1 saves at the next step boundary and "
-        "exits 75 (distflow.run.preemption).", operational=True)
-    export_at_end: bool = knob(False, "Also write a plain HF folder of the final policy (hf_model/; LoRA: and "
-                               "adapter/).", operational=True)
-
-    def checks(self) -> list[tuple[bool, str]]:
-        return [(self.every >= 0 and self.every_s >= 0,
-                 "checkpoint.every and checkpoint.every_s must be >= 0 (0 = off)")]
-
-
-@section
-class ValidationConfig:
-    """Greedy pass@1 (and sampled pass@k) on the task's held-out split (distflow.rollout.evaluation). Not
-    operational: validation draws from the engine's sampler, so it is part of what a run computes."""
-
-    every: int = knob(0, "Validate every N steps; 0: never during training.")
-    before_train: bool = knob(False, "Validate once before the first step.")
-    at_end: bool = knob(False, "Validate after the last step.")
-    pass_k: int = knob(0, "Also sample k answers per item and report pass@k; 0: greedy pass@1 only.")
-
-    @property
-    def wanted(self) -> bool:
-        return bool(self.every or self.before_train or self.at_end)
-
-    def checks(self) -> list[tuple[bool, str]]:
-        return [(self.every >= 0 and self.pass_k >= 0, "validation.every and validation.pass_k must be >= 0")]
-
-
-@section
-class LoggingConfig:
-    loggers: List[Logger] = knob(factory=lambda: ["console", "jsonl"], operational=True,
-                                 doc="Where step metrics go, several at once (distflow.metrics.loggers).")
-    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = knob(
-        "WARNING", "Third-party messages (vLLM, transformers, ...) on rank 0's console from this level up. Below INFO "
-        "the warnings expected at start-up and on every resync are one line that counts them; INFO shows each. Every "
-        "rank's logs/rank_<r>.log holds everything regardless.",
-        operational=True)
-    progress_bar: bool = knob(
-        True, "A tqdm bar on rank 0's console when it is a terminal. Output to a file or a pipe (a batch log, "
-        "nohup, CI), or false: plain progress lines instead (logging.progress_every_s).", operational=True)
-    progress_every_s: float = knob(
-        10.0, "Without a bar, a progress line (step, reward, step time, ETA) at the first and the last step and at "
-        "most once per this many seconds between them; 0: every step.", operational=True)
-    wandb_project: str = knob("distflow", "The W&B project (loggers: wandb).", operational=True)
-    sync_timing: bool = knob(
-        False, "CUDA: wait for the device at every phase edge, so timing/* and throughput/* measure the device's work "
-        "rather than when the host queued it (costs the host's run-ahead); no effect on CPU.", operational=True)
-    plot_at_end: bool = knob(True, "Write training.png at the end of the run (distflow.metrics.plot).", operational=True)
-    straggler_warn_steps: int = knob(
-        5, "Warn when the same rank has the most compute time (step minus timing/wait_s) for this many consecutive "
-        "steps and is >10% slower than the fastest (a slow node); 0: never warn.", operational=True)
-
-    def checks(self) -> list[tuple[bool, str]]:
-        return [(self.straggler_warn_steps >= 0, "logging.straggler_warn_steps must be >= 0 (0 = never warn)"),
-                (self.progress_every_s >= 0, "logging.progress_every_s must be >= 0 (0 = every step)")]

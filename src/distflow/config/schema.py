@@ -12,6 +12,9 @@ from dataclasses import fields
 from typing import Any
 
 from distflow.config.algorithm import AlgorithmConfig
+from distflow.config.checkpoint import CheckpointConfig
+from distflow.config.critic import CriticConfig
+from distflow.config.data import DataConfig
 from distflow.config.fields import (
     ConfigError,
     check_choices,
@@ -22,9 +25,13 @@ from distflow.config.fields import (
     section,
     to_record,
 )
-from distflow.config.model import CriticConfig, LoraConfig, ModelConfig, OptimConfig
-from distflow.config.rollout import DataConfig, RolloutConfig, TaskConfig
-from distflow.config.run import CheckpointConfig, LoggingConfig, RunConfig, ValidationConfig
+from distflow.config.logging import LoggingConfig
+from distflow.config.model import LoraConfig, ModelConfig
+from distflow.config.optim import OptimConfig
+from distflow.config.rollout import RolloutConfig
+from distflow.config.run import RunConfig
+from distflow.config.task import TaskConfig
+from distflow.config.validation import ValidationConfig
 
 __all__ = ["DistflowConfig", "config_record", "config_differences", "LoraConfig"]
 
