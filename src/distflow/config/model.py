@@ -83,7 +83,7 @@ class ModelConfig:
     logprob_head_float32: bool = knob(
         True, "With the chunked logprob path, run the LM head's matmul in float32 whatever model.dtype: bf16 logits "
         "keep 8 bits (with them the SmolLM2 demo ended at 0.492 against 0.526 over 3 seeds, within seed noise: "
-        "README). Costs the head's share of the update at float32 speed; no effect in float32.")
+        "docs/performance.md). Costs the head's share of the update at float32 speed; no effect in float32.")
     router_aux_loss_coef: Optional[float] = knob(
         None, "Mixture-of-experts models: add this times the routers' load-balancing loss (Switch Transformer's, as "
         "transformers computes it; distflow.train.router) to the policy loss; null: the model config's own "
