@@ -1,12 +1,17 @@
 """The commands the README and the docs/ pages show, and running one as a user would: from a folder
-that holds the repo's entry points and the docs' own my_rewards.py."""
+that holds the repo's entry points and the docs' own my_rewards.py. Also the README's code map,
+generated from the package tree and each wing's `__init__.py` docstring:
+`.venv/bin/python tests/support/docs_helpers.py code-map` rewrites it in README.md."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shlex
 import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 from launch_helpers import ROOT, SUPPORT
@@ -61,3 +66,99 @@ def run_doc_command(command: str, extra: list[str], tmp_path: Path, timeout: flo
         proc = subprocess.run(args, cwd=user_folder(tmp_path), env=env, stdout=f, stderr=subprocess.STDOUT,
                               timeout=timeout)
     return subprocess.CompletedProcess(args, proc.returncode, Path(log_file).read_text(), "")
+
+
+# The README's code map: "src/distflow/" and one entry per top-level module and per wing (a package,
+# nested ones included), each wing described by the first paragraph of its __init__.py docstring
+# and followed by its modules. The lines after it (recipes/, launch/, ...) are the README's own.
+PACKAGE = ROOT / "src" / "distflow"
+CODE_MAP_HEADING = "## Where things are"
+CODE_MAP_WIDTH = 100
+
+
+def first_paragraph(path: Path) -> str:
+    """The first paragraph of a module's docstring, on one line ('' when it has none)."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    return " ".join(doc.strip().split("\n\n")[0].split()).rstrip(":")
+
+
+def package_tree(package: Path = PACKAGE) -> dict[str, list[str]]:
+    """{wing: its modules} for the package: "" holds the top-level modules (file names), every other
+    key is a wing's folder relative to the package ("tasks/envs/"), its modules without .py."""
+    tree = {"": sorted(p.name for p in package.glob("*.py") if p.name != "__init__.py")}
+    for init in sorted(package.rglob("__init__.py")):
+        if init.parent == package or "__pycache__" in init.parts:
+            continue
+        wing = init.parent.relative_to(package).as_posix() + "/"
+        tree[wing] = sorted(p.stem for p in init.parent.glob("*.py") if p.name != "__init__.py")
+    return tree
+
+
+def _entry(name: str, text: str, column: int) -> list[str]:
+    return textwrap.wrap(text, CODE_MAP_WIDTH, initial_indent=f"  {name}".ljust(column),
+                         subsequent_indent=" " * column, break_on_hyphens=False) or [f"  {name}"]
+
+
+def code_map(package: Path = PACKAGE) -> str:
+    """The src/distflow/ part of the README's code map, as the tree and the docstrings say."""
+    tree = package_tree(package)
+    column = 2 + max(len(name) for name in [*tree, *tree[""]]) + 2
+    lines = [f"{package.relative_to(package.parents[1]).as_posix()}/"]
+    for module in tree.pop(""):
+        lines += _entry(module, first_paragraph(package / module), column)
+    for wing, modules in tree.items():
+        lines += _entry(wing, first_paragraph(package / wing / "__init__.py"), column)
+        lines += _entry("", "modules: " + ", ".join(modules), column) if modules else []
+    return "\n".join(lines) + "\n"
+
+
+def readme_code_map(readme: Path = ROOT / "README.md") -> str:
+    """The code block under the README's "Where things are" heading."""
+    section = readme.read_text().split(CODE_MAP_HEADING, 1)[1]
+    match = re.search(r"```\n(.*?)```", section, re.S)
+    assert match, f"README.md has no code block under {CODE_MAP_HEADING!r}"
+    return match.group(1)
+
+
+def code_map_names(block: str) -> dict[str, list[str]]:
+    """{wing: modules} as a code map names them (the inverse of package_tree, read from the text):
+    entries are the lines indented by two spaces under "src/distflow/", up to the next unindented
+    line; a wing's modules are its "modules:" line, which may wrap."""
+    lines = block.split("\n")
+    start = next(i for i, line in enumerate(lines) if line.startswith("src/distflow/")) + 1
+    names: dict[str, list[str]] = {"": []}
+    wing, listing = "", None
+    for line in lines[start:]:
+        if line and not line.startswith(" "):
+            break
+        if line.startswith("  ") and line[2:3] != " ":  # a new entry: a wing or a top-level module
+            wing, listing = line.split()[0], None
+            if wing.endswith("/"):
+                names[wing] = []
+            else:
+                names[""].append(wing)
+            continue
+        text = line.strip()
+        if text.startswith("modules:"):
+            listing, text = wing, text[len("modules:"):]
+        if listing is not None and wing == listing:
+            names[wing] += [m.strip() for m in text.split(",") if m.strip()]
+    return names
+
+
+def write_code_map(readme: Path = ROOT / "README.md") -> None:
+    """Replace the src/distflow/ part of the README's code map with code_map()."""
+    text = readme.read_text()
+    old = readme_code_map(readme)
+    lines = old.split("\n")
+    start = next(i for i, line in enumerate(lines) if line.startswith("src/distflow/"))
+    end = next((i for i in range(start + 1, len(lines)) if lines[i] and not lines[i].startswith(" ")), len(lines))
+    new = "\n".join(lines[:start]) + ("\n" if start else "") + code_map() + "\n".join(lines[end:])
+    head, tail = text.split(CODE_MAP_HEADING, 1)
+    readme.write_text(head + CODE_MAP_HEADING + tail.replace(old, new, 1))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["code-map"]:
+        sys.exit("usage: python tests/support/docs_helpers.py code-map   (rewrites README.md's code map)")
+    write_code_map()

@@ -1,7 +1,9 @@
 """The one description of a run: typed sections, each field with its doc and whether it is
 operational (may change on resume), choices as Literal, one validation pass before anything
-loads, one config record, old key spellings, and resolving user-named callables. Each section's
-dataclass lives in the module named after it (config.model, config.optim, ..., config.logging).
+loads, one config record, old key spellings, and resolving user-named callables.
+
+Each section's dataclass lives in the module named after it (config.model, config.optim, ...,
+config.logging); fields.py declares and walks them, schema.py puts them together.
 
 docs/configuration.md is generated from here (`python -m distflow config-docs`).
 """

@@ -1,6 +1,5 @@
 """Where and how the ranks run: the process group and distflow's few collectives, the device a
-rank trains on, the parallel layout (FSDP shard degree, engine tensor-parallel groups), and the
-host-memory setting of the process."""
+rank trains on, and the parallel layout (FSDP shard degree, engine tensor-parallel groups)."""
 
 from distflow.distributed.collectives import (
                                               DistInfo,

@@ -1,2 +1,3 @@
-"""What a run leaves behind and how it survives: the run folder, checkpoints and resume,
-preemption, export, the output channel, metric loggers, the step report and plots."""
+"""What a run leaves behind and how it survives: the run folder, which run a folder holds and
+resume, preemption, the output channel, the host-memory settings of a rank's process, the
+test-only fault injection, and ending a rank's process."""
