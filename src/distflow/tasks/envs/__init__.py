@@ -1,8 +1,8 @@
 """Environments: what answers the model's turns in a multi-turn episode (distflow.rollout.episodes).
 
 `task.env` names the class ("tools" for `ToolEnv`, or "package.module:Class"); it is built
-with `task.env_args` as keyword arguments, once in the trainer's process and once in each
-reward-pool worker. Two methods:
+with `task.env_args` as keyword arguments, once in the trainer's process (by its Task,
+distflow.tasks.task) and once in each worker process of the task. Two methods:
 
     class MyEnv:
         def reset(self, item: dict, messages: list[dict]) -> list[dict]:

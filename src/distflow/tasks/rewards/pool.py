@@ -1,8 +1,13 @@
-"""Run reward functions in worker processes with a hard per-call time limit.
+"""Run a task's user code (reward functions, environment steps) in worker processes with a hard
+per-call time limit.
 
-    pool = RewardPool.from_task(cfg.task)            # or RewardPool(spec, workers, timeout_s)
+    pool = TaskWorkers.from_task(cfg.task)           # or TaskWorkers(spec, workers, timeout_s)
     rewards, stats = pool.score([(prompt, completion, completion_ids, item), ...])
-    pool.close()                                     # or `with RewardPool(...) as pool:`
+    results, stats = pool.steps([(item, transcript), ...])   # with an environment
+    pool.close()                                     # or `with TaskWorkers(...) as pool:`
+
+A Task (distflow.tasks.task) builds its pool with the environment it built itself. `RewardPool`
+is the same class under its older name.
 
 A spec is one reward spec ("numeric", "pkg.mod:fn") or a weighted combination {spec: weight};
 the reward of a call is then sum(weight * component). Each (call, component) is one unit of
@@ -49,7 +54,7 @@ from multiprocessing.connection import Connection, wait
 
 from distflow.config import ConfigError
 from distflow.tasks.envs import Step, build_env
-from distflow.tasks.rewards.registry import load_reward
+from distflow.tasks.rewards.registry import RewardSpec, load_reward
 
 log = logging.getLogger("distflow")
 START_TIMEOUT_S = 120.0  # a worker that cannot import its rewards in this time is an environment problem
@@ -165,23 +170,24 @@ class _Worker:
         self.conn.close()
 
 
-class RewardPool:
-    def __init__(self, spec: str | dict[str, float], workers: int, timeout_s: float, env: str = "",
-                 env_args: dict | None = None):
-        items = spec.items() if isinstance(spec, dict) else [(spec, 1.0)]
-        self.components = [(s, float(w)) for s, w in items]
-        if not self.components:
-            raise ConfigError("task.rewards is an empty combination")
-        for s, w in self.components:
-            if not isinstance(s, str) or not math.isfinite(w):
-                raise ConfigError(f"reward {s!r} with weight {w!r}: need a spec string and a finite weight")
-        # Resolve every spec here first: a typo fails at start-up as a ConfigError, not in a worker.
-        self._fns = [load_reward(s) for s, _ in self.components]
+class TaskWorkers:
+    """`spec`: a reward spec, a {spec: weight} combination, or a RewardSpec already resolved.
+    `env`, `env_args`: the environment the workers build their own copy of; `env_instance`: this
+    process's copy (its step serves workers=0), handed over by a Task that built it; without it the
+    pool builds one, for a pool used on its own."""
+
+    def __init__(self, spec: str | dict[str, float] | RewardSpec, workers: int, timeout_s: float, env: str = "",
+                 env_args: dict | None = None, *, env_instance=None):
+        # Every spec resolves here first (if not already): a typo fails at start-up as a ConfigError, not in a worker.
+        rewards = spec if isinstance(spec, RewardSpec) else RewardSpec.parse(spec)
+        self.components = list(rewards.components)
+        self._fns = list(rewards.fns)
         # An environment's steps run here too (distflow.tasks.envs), under the same limit; building it
-        # here first makes a bad task.env a ConfigError before any process starts.
-        # The instance built here also serves the caller (its reset builds the prompts).
+        # before any process starts makes a bad task.env a ConfigError first.
+        if env_instance is not None and not env:
+            raise ValueError("env_instance needs its spec `env`: the workers build their own copy from it")
         self._env = [env, dict(env_args or {})] if env else None
-        self.env = build_env(*self._env) if self._env else None
+        self.env = env_instance if env_instance is not None else build_env(*self._env) if self._env else None
         if workers < 0 or timeout_s <= 0:
             raise ConfigError(f"need task.reward_workers >= 0 and task.reward_timeout_s > 0, got {workers}, {timeout_s}")
         if self.env is not None:
@@ -200,13 +206,15 @@ class RewardPool:
         return _Worker(self._spec_file)
 
     @classmethod
-    def from_task(cls, task) -> "RewardPool":
+    def from_task(cls, task, rewards: RewardSpec | None = None, env_instance=None) -> "TaskWorkers":
         """From a TaskConfig: `rewards` (if non-empty) else `reward`, `reward_workers`,
-        `reward_timeout_s`, and the environment (`env`, `env_args`) when there is one."""
-        return cls(dict(task.rewards) or task.reward, task.reward_workers, task.reward_timeout_s, task.env,
-                   dict(task.env_args))
+        `reward_timeout_s`, and the environment (`env`, `env_args`) when there is one. A Task passes
+        the reward it resolved and the environment it built."""
+        rewards = rewards if rewards is not None else RewardSpec.from_task(task)
+        return cls(rewards, task.reward_workers, task.reward_timeout_s, task.env, dict(task.env_args),
+                   env_instance=env_instance)
 
-    def wait_ready(self) -> "RewardPool":
+    def wait_ready(self) -> "TaskWorkers":
         """Block until every worker has started. Optional: score() uses whichever are ready."""
         while not all(w.ready for w in self._workers):
             wait([w.conn for w in self._workers], timeout=1.0)
@@ -323,8 +331,11 @@ class RewardPool:
         self._workers = []
         self._spec_file.close()
 
-    def __enter__(self) -> "RewardPool":
+    def __enter__(self) -> "TaskWorkers":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+RewardPool = TaskWorkers  # the older name, which callers and tests still use

@@ -16,8 +16,11 @@ start-up, before taking calls, to pay one-off costs (heavy imports) outside the 
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Callable
 
+from distflow.config import ConfigError
 from distflow.config.specs import resolve
 from distflow.tasks.rewards.builtin import (
     countdown_reward,
@@ -49,3 +52,33 @@ BUILTIN: dict[str, RewardFn] = {
 
 def load_reward(spec: str) -> RewardFn:
     return resolve(spec, BUILTIN, "task.reward")
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """A task's reward with every spec resolved: one spec, or a weighted combination {spec: weight}
+    whose reward is sum(weight * component). Resolving here, in the trainer's process, makes a typo
+    a ConfigError at start-up, before any worker process starts or any row loads."""
+
+    components: list[tuple[str, float]]  # (spec, weight), in the config's order
+    fns: list[RewardFn]  # the resolved functions, one per component
+
+    @classmethod
+    def parse(cls, spec: str | dict[str, float]) -> "RewardSpec":
+        items = spec.items() if isinstance(spec, dict) else [(spec, 1.0)]
+        components = [(s, float(w)) for s, w in items]
+        if not components:
+            raise ConfigError("task.rewards is an empty combination")
+        for s, w in components:
+            if not isinstance(s, str) or not math.isfinite(w):
+                raise ConfigError(f"reward {s!r} with weight {w!r}: need a spec string and a finite weight")
+        return cls(components, [load_reward(s) for s, _ in components])
+
+    @classmethod
+    def from_task(cls, task) -> "RewardSpec":
+        """A TaskConfig's `rewards` when non-empty, else its `reward`."""
+        return cls.parse(dict(task.rewards) or task.reward)
+
+    @property
+    def specs(self) -> list[str]:
+        return [s for s, _ in self.components]
