@@ -69,6 +69,7 @@ def gradient(info, model_path: str, batch, group: int, dtype: str, round_weights
     import torch
 
     from distflow.config import DistflowConfig
+    from distflow.distributed.devices import resolve_auto
     from distflow.distributed.layout import ParallelLayout
     from distflow.train.policy import Policy
     from distflow.train.update import Updater
@@ -78,6 +79,7 @@ def gradient(info, model_path: str, batch, group: int, dtype: str, round_weights
     cfg.model.shard_ranks = 1
     cfg.algorithm.group_size = group
     cfg.optim.micro_batch_size = len(batch)
+    cfg = resolve_auto(cfg, info.device)  # components read concrete values (the trainer's shared-prefix rule)
     policy = Policy(model_path, cfg.model, cfg.optim, ParallelLayout.from_config(cfg.model, info))
     if round_weights:
         with torch.no_grad():

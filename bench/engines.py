@@ -30,6 +30,7 @@ def worker(a) -> None:
     from distflow.tasks.prompts import load_prompts
     from distflow.distributed import all_reduce, barrier, init_distributed, shutdown
     from distflow.models.tiny import resolve_model_path
+    from distflow.distributed.devices import resolve_auto
     from distflow.rollout import build_engine
 
     cfg = DistflowConfig()
@@ -37,6 +38,7 @@ def worker(a) -> None:
     cfg.rollout.max_new_tokens, cfg.rollout.max_prompt_tokens = a.max_new_tokens, a.max_prompt_tokens
     cfg.task.path, cfg.task.system_prompt = a.data, a.system_prompt
     info = init_distributed("gloo", "cpu")
+    cfg = resolve_auto(cfg, info.device)  # the trainer's dtype, eager mode and KV cache for the device
     path = resolve_model_path(a.model)
     items = load_prompts(cfg.task, AutoTokenizer.from_pretrained(path), cfg.rollout.max_prompt_tokens)
     cfg.rollout.engine = "vllm"

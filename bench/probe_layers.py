@@ -224,14 +224,16 @@ def hf_plain(model, seqs, rec: Recorder | None):
 
 
 def engine_with_hooks(model_path: str, args):
-    from distflow.config import ModelConfig, RolloutConfig
+    from distflow.config import DistflowConfig, ModelConfig, RolloutConfig
+    from distflow.distributed.devices import resolve_auto
     from distflow.rollout.vllm_engine import VLLMEngine
 
     if args.no_onednn:
         disable_onednn_linear()
     rollout = RolloutConfig(max_new_tokens=32, max_prompt_tokens=max(256, args.max_len))
     t0 = time.perf_counter()
-    engine = VLLMEngine(model_path, ModelConfig(path=model_path), rollout, torch.device("cpu"), seed=0)
+    cfg = resolve_auto(DistflowConfig(model=ModelConfig(path=model_path), rollout=rollout), "cpu")
+    engine = VLLMEngine(model_path, cfg.model, cfg.rollout, torch.device("cpu"), seed=0)
     load_s = time.perf_counter() - t0
     rec = Recorder()
     model = engine.llm.collective_rpc(lambda w: w.model_runner.get_model())[0]
@@ -292,14 +294,15 @@ def engine_run(engine, model, rec, seqs, hooks: bool):
 def policy_logprobs(model_path, seqs, hf_attn: str | None):
     """The trainer's probe path: Policy (FSDP2 on the 1-process group), all sequences in one
     left-padded batch with explicit position_ids and logits_to_keep, as the trainer's probe (distflow.probe.max_logprob_diff)."""
-    from distflow.config import ModelConfig, OptimConfig
+    from distflow.config import DistflowConfig, ModelConfig
+    from distflow.distributed.devices import resolve_auto
     from distflow.distributed.layout import ParallelLayout
     from distflow.sample import Sample
     from distflow.train.batch import TokenBatch
     from distflow.train.policy import Policy
 
-    model_cfg = ModelConfig(path=model_path)
-    policy = Policy(model_path, model_cfg, OptimConfig(), ParallelLayout.current(model_cfg), trainable=False)
+    cfg = resolve_auto(DistflowConfig(model=ModelConfig(path=model_path)), "cpu")
+    policy = Policy(model_path, cfg.model, cfg.optim, ParallelLayout.current(cfg.model), trainable=False)
     if hf_attn:
         policy.model.config._attn_implementation = hf_attn
     batch = TokenBatch.from_samples([Sample(s[:1], s[1:], [], False) for s in seqs], 0, torch.device("cpu"))

@@ -89,6 +89,7 @@ def measure_variant(a, variant: str, info) -> dict:
     import torch
 
     from distflow.config import DistflowConfig
+    from distflow.distributed.devices import resolve_auto
     from distflow.distributed.layout import ParallelLayout
     from distflow.models.tiny import resolve_model_path
     from distflow.sample import Sample
@@ -101,6 +102,7 @@ def measure_variant(a, variant: str, info) -> dict:
     cfg.optim.micro_batch_size = a.seqs
     cfg.optim.shared_prefix = "off"  # padded rows (the samples share no prompt); update.py --memory compares packed
     cfg.algorithm.entropy_coef = 0.01
+    cfg = resolve_auto(cfg, info.device)  # the trainer's model.dtype for the device (components refuse "auto")
     policy = Policy(resolve_model_path(a.model), cfg.model, cfg.optim, ParallelLayout.from_config(cfg.model, info))
     g = torch.Generator().manual_seed(0)
     vocab = policy.model.config.vocab_size

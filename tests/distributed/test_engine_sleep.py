@@ -102,8 +102,13 @@ def test_an_engine_serving_adapters_never_sleeps():
 def test_kv_cache_size_is_honoured_on_both_devices():
     """rollout.kv_cache_gib: on CPU 0.25 GiB unless set (vLLM's own default takes most of the RAM);
     on CUDA, when set, that size whatever the card, else what gpu_memory_utilization leaves."""
+    from distflow.distributed.devices import UnresolvedAuto, kv_cache_gib
+
     gib = 2**30
-    assert memory_kwargs(RolloutConfig(), on_cpu=True) == {"kv_cache_memory_bytes": gib // 4}
+    with pytest.raises(UnresolvedAuto):  # null on CPU is the start-up plan's to resolve, not the engine's
+        memory_kwargs(RolloutConfig(), on_cpu=True)
+    cpu_default = RolloutConfig(kv_cache_gib=kv_cache_gib(RolloutConfig(), "cpu"))
+    assert memory_kwargs(cpu_default, on_cpu=True) == {"kv_cache_memory_bytes": gib // 4}
     assert memory_kwargs(RolloutConfig(kv_cache_gib=1.5), on_cpu=True) == {"kv_cache_memory_bytes": 3 * gib // 2}
     cuda = memory_kwargs(RolloutConfig(gpu_memory_utilization=0.5, sleep_during_update=False), on_cpu=False)
     assert cuda == {"gpu_memory_utilization": 0.5, "enable_sleep_mode": False}

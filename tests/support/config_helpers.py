@@ -12,13 +12,18 @@ _registered = False
 
 
 def fp32_config():
-    """The default DistflowConfig in float32. In-process tests compare against float32 references
-    (engine vs policy to 1e-5, 1 vs 2 ranks), so they pin it: model.dtype=auto picks bf16 on CPUs
-    with bf16 matrix instructions."""
+    """The default DistflowConfig in float32, its other automatic values resolved for the CPU as the
+    start-up plan resolves them (components refuse "auto"). In-process tests compare against float32
+    references (engine vs policy to 1e-5, 1 vs 2 ranks), so they pin it: model.dtype=auto picks bf16
+    on CPUs with bf16 matrix instructions. model.shard_ranks stays null: the layout follows
+    model.path, which some tests change."""
     from distflow.config import DistflowConfig
+    from distflow.distributed.devices import resolve_auto
 
     cfg = DistflowConfig()
     cfg.model.dtype = "float32"
+    cfg = resolve_auto(cfg, "cpu")
+    cfg.model.shard_ranks = None
     return cfg
 
 

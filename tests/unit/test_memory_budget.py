@@ -67,6 +67,7 @@ def test_the_check_reads_a_model_folder_and_a_small_device_refuses(tiny_model_di
     from distflow.distributed.layout import ParallelLayout
 
     cfg = DistflowConfig()
+    cfg.model.dtype = "bfloat16"  # concrete, as the start-up plan resolves "auto" on CUDA
     cfg.algorithm.kl_coef, cfg.algorithm.advantage = 0.1, "gae"  # a reference and a critic
     layout = ParallelLayout.from_config(ModelConfig(path=tiny_model_dir),
                                         DistInfo(0, 1, 0, 1, torch.device("cuda", 0), "nccl"))

@@ -8,7 +8,8 @@ meant to be used (CUDA_VISIBLE_DEVICES, SLURM's GPU variables, the driver's devi
 when torch has no usable CUDA, stops every rank with one line naming the sign and the torch
 build. `run.device=cpu` is the explicit way to train on the CPU of a GPU machine.
 
-"auto" settings resolved for the device the rank runs on (`resolve_auto`):
+"auto" settings, resolved once by `resolve_auto` (the start-up plan, distflow.plan, calls it; code
+built after it reads only concrete values and refuses "auto": `concrete`, `compute_dtype`):
   model.dtype          bfloat16 on CUDA, and on a CPU with bf16 matrix instructions (AMX-BF16 or
                        AVX512-BF16: Xeons since Sapphire Rapids, AMD Zen 4/5), where oneDNN's bf16
                        GEMMs run 4-28x faster than fp32 ones; float32 on other CPUs, whose bf16
@@ -21,6 +22,12 @@ build. `run.device=cpu` is the explicit way to train on the CPU of a GPU machine
   model.shard_ranks    null: -1 (all ranks, plain FSDP) for a model you name; 1 (full replicas) for
                        the built-in small models, whose fp32 weights, gradients and AdamW state fit on
                        every rank (recipes/model/smollm2_135m.yaml says what that saves).
+  rollout.kv_cache_gib null, vLLM on CPU: CPU_KV_CACHE_GIB (vLLM's own default would reserve most of
+                       the RAM per engine); on CUDA null stays: the cache is what
+                       rollout.gpu_memory_utilization leaves after the weights, which vLLM measures.
+  optim.shared_prefix  on when algorithm.group_size > 1 (packed rows need a prompt shared by several
+                       samples), off otherwise; not a device matter, resolved here so that every
+                       "auto" has one rule in one place.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from distflow.config import BUILTIN_MODELS, ConfigError, DistflowConfig, ModelConfig
+from distflow.config import BUILTIN_MODELS, ConfigError, DistflowConfig, ModelConfig, OptimConfig, RolloutConfig
 
 # SLURM sets these for a job or step with GPUs: counts ("8", "h100:8") or lists of indices ("0,1").
 SLURM_GPU_COUNTS = ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE", "SLURM_GPUS_PER_TASK", "SLURM_GPUS")
@@ -206,11 +213,11 @@ def torch_dtype(name: str, device: torch.device | str, cpu: CpuBf16 | None = Non
     return auto_dtype(device, cpu)[0] if name == "auto" else getattr(torch, name)
 
 
-def dtype_line(requested: str, device: torch.device | str) -> str:
+def dtype_line(requested: str, device: torch.device | str, cpu: CpuBf16 | None = None) -> str:
     """The start-up line that says which dtype the model computes in, and why."""
     if requested != "auto":
         return f"model dtype {requested} (model.dtype={requested})"
-    dtype, why = auto_dtype(device)
+    dtype, why = auto_dtype(device, cpu)
     return f"model dtype {str(dtype).removeprefix('torch.')} (model.dtype=auto: {why})"
 
 
@@ -227,11 +234,45 @@ def shard_ranks(model: ModelConfig) -> int:
     return model.shard_ranks
 
 
+CPU_KV_CACHE_GIB = 0.25  # rollout.kv_cache_gib's default for vLLM on CPU (SmolLM2-135M: ~5,800 tokens)
+
+
+def kv_cache_gib(rollout: RolloutConfig, device: torch.device | str) -> float | None:
+    """rollout.kv_cache_gib with null resolved where distflow picks the size (vLLM on CPU)."""
+    if rollout.kv_cache_gib is None and rollout.engine == "vllm" and _type(device) == "cpu":
+        return CPU_KV_CACHE_GIB
+    return rollout.kv_cache_gib
+
+
+def shared_prefix(optim: OptimConfig, group_size: int) -> str:
+    """optim.shared_prefix as "on" or "off"; "auto" packs whenever a prompt has several samples."""
+    return "on" if optim.shared_prefix == "on" or (optim.shared_prefix == "auto" and group_size > 1) else "off"
+
+
 def resolve_auto(cfg: DistflowConfig, device: torch.device | str, cpu: CpuBf16 | None = None) -> DistflowConfig:
-    """A copy of `cfg` with every "auto" above made concrete for `device` (what config.json
-    records); `cpu` defaults to this machine's bf16 report."""
+    """A copy of `cfg` with every automatic value above made concrete for `device` (what config.json
+    records); `cpu` defaults to this machine's bf16 report. Resolving a resolved config changes nothing."""
     dtype = str(torch_dtype(cfg.model.dtype, device, cpu)).removeprefix("torch.")
     model = dataclasses.replace(cfg.model, dtype=dtype, shard_ranks=shard_ranks(cfg.model))
     eager = str(enforce_eager(cfg.rollout.enforce_eager, device)).lower()
-    rollout = dataclasses.replace(cfg.rollout, enforce_eager=eager)
-    return dataclasses.replace(cfg, model=model, rollout=rollout)
+    rollout = dataclasses.replace(cfg.rollout, enforce_eager=eager, kv_cache_gib=kv_cache_gib(cfg.rollout, device))
+    optim = dataclasses.replace(cfg.optim, shared_prefix=shared_prefix(cfg.optim, cfg.algorithm.group_size))
+    return dataclasses.replace(cfg, model=model, rollout=rollout, optim=optim)
+
+
+class UnresolvedAuto(ValueError):
+    """A component was handed a setting still automatic: the start-up plan resolves every one first."""
+
+
+def concrete(key: str, value, automatic="auto"):
+    """`value` of config key `key`, refused while it is still `automatic` ("auto", or null for keys whose
+    automatic setting is null): each is decided once, by the start-up plan, and no component decides again."""
+    if value == automatic:
+        raise UnresolvedAuto(f"{key}={value!r} reached a component unresolved: resolve the config first "
+                             "(distflow.plan.plan, or distflow.distributed.devices.resolve_auto)")
+    return value
+
+
+def compute_dtype(name: str) -> torch.dtype:
+    """A concrete model.dtype as a torch dtype ("auto" refused: see `concrete`)."""
+    return getattr(torch, concrete("model.dtype", name))

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distflow.config import ModelConfig, RolloutConfig
-from distflow.distributed.devices import torch_dtype
+from distflow.distributed.devices import compute_dtype
 from distflow.sample import Sample
 from distflow.sample import left_pad
 
@@ -21,7 +21,7 @@ class HFEngine:
     def __init__(self, model_path: str, model: ModelConfig, rollout: RolloutConfig, device: torch.device):
         self.cfg = rollout
         self.device = device
-        dtype = torch_dtype(model.dtype, device)
+        dtype = compute_dtype(model.dtype)  # concrete: the start-up plan resolved "auto"
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=dtype, trust_remote_code=model.trust_remote_code
         ).to(device).eval()

@@ -33,21 +33,18 @@ from typing import Iterable
 import torch
 
 from distflow.config import MAX_ENGINE_LORA_RANK, ConfigError, ModelConfig, RolloutConfig
-from distflow.distributed.devices import enforce_eager, torch_dtype
+from distflow.distributed.devices import compute_dtype, concrete
 from distflow.models.adapter_folder import AdapterFolder
 from distflow.models.weight_names import CheckpointNames
 from distflow.sample import Sample
 
 
-CPU_KV_CACHE_GIB = 0.25  # rollout.kv_cache_gib's default on CPU (SmolLM2-135M: ~5,800 tokens)
-
-
 def memory_kwargs(rollout: RolloutConfig, on_cpu: bool) -> dict:
-    """vLLM's memory settings. The KV cache takes rollout.kv_cache_gib when set: on CPU vLLM's
-    own default would reserve most of the RAM per engine, so it defaults to CPU_KV_CACHE_GIB there;
-    on CUDA, unset, it is what gpu_memory_utilization leaves after the weights, and set, it is
-    that size whatever the card (kv_cache_memory_bytes overrides vLLM's profiling)."""
-    gib = CPU_KV_CACHE_GIB if rollout.kv_cache_gib is None and on_cpu else rollout.kv_cache_gib
+    """vLLM's memory settings. The KV cache takes rollout.kv_cache_gib: on CPU always set (the
+    start-up plan gives null its CPU default, since vLLM's own would reserve most of the RAM per
+    engine); on CUDA, null, it is what gpu_memory_utilization leaves after the weights, and set, it
+    is that size whatever the card (kv_cache_memory_bytes overrides vLLM's profiling)."""
+    gib = concrete("rollout.kv_cache_gib", rollout.kv_cache_gib, None) if on_cpu else rollout.kv_cache_gib
     kwargs = {} if gib is None else {"kv_cache_memory_bytes": int(gib * 2**30)}
     if not on_cpu:
         kwargs.update(gpu_memory_utilization=rollout.gpu_memory_utilization,
@@ -164,8 +161,12 @@ def _repack_cpu_experts(worker) -> None:
 
 class VLLMEngine:
     def __init__(self, model_path: str, model: ModelConfig, rollout: RolloutConfig, device: torch.device, seed: int):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         on_cpu = device.type == "cpu"
+        # concrete values only: the start-up plan resolved every "auto" (refused here, before vLLM loads)
+        dtype = concrete("model.dtype", model.dtype)
+        eager = str(concrete("rollout.enforce_eager", rollout.enforce_eager)).lower() == "true"
+        memory = memory_kwargs(rollout, on_cpu)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if on_cpu:
             # vLLM reads this legacy variable in whole GiB and lets it override kv_cache_memory_bytes
             # (below), which takes any size: the demo needs well under 1 GiB.
@@ -183,8 +184,8 @@ class VLLMEngine:
         self.on_cpu = on_cpu
         kwargs = dict(
             model=model_path,
-            dtype=str(torch_dtype(model.dtype, device)).removeprefix("torch."),
-            enforce_eager=enforce_eager(rollout.enforce_eager, device),
+            dtype=dtype,
+            enforce_eager=eager,
             max_model_len=max_model_len(rollout),
             tensor_parallel_size=rollout.tensor_parallel_size,
             distributed_executor_backend="external_launcher",
@@ -202,8 +203,8 @@ class VLLMEngine:
             kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=next(r for r in ranks if r >= model.lora.rank),
                           lora_target_modules=targets)
             self.head_adapted = "lm_head" in targets
-            self.adapter_folder = AdapterFolder(torch_dtype(model.dtype, device))
-        kwargs.update(memory_kwargs(rollout, on_cpu))
+            self.adapter_folder = AdapterFolder(compute_dtype(model.dtype))
+        kwargs.update(memory)
         if on_cpu and rollout.tensor_parallel_size > 1:
             clear_stale_cpu_shm(torch.distributed.get_rank(), rollout.tensor_parallel_size)
         self.llm = LLM(**kwargs)

@@ -96,27 +96,40 @@ def check(phases: dict[str, dict[str, float]], device_bytes: int) -> None:
                           f"device's {device_bytes / GIB:.1f} GiB: {knobs}; run.memory_check=false skips this estimate")
 
 
+def model_shape(config, trust_remote_code: bool = False) -> ModelShape:
+    """The shape of the causal LM an HF config describes, its parameters counted on a meta skeleton
+    (no memory, no RNG draws)."""
+    from transformers import AutoModelForCausalLM
+
+    from distflow.models.anatomy import skeleton
+
+    model = skeleton(AutoModelForCausalLM, config, trust_remote_code)
+    return ModelShape.of(config, sum(p.numel() for p in model.parameters()))
+
+
 def check_memory_budget(cfg: DistflowConfig, model_path: str, layout, critic_path: str | None = None,
-                        device_bytes: int | None = None) -> dict[str, dict[str, float]] | None:
+                        device_bytes: int | None = None, policy_shape: ModelShape | None = None,
+                        critic_shape: ModelShape | None = None) -> dict[str, dict[str, float]] | None:
     """The estimate for this run on the layout's device (CUDA; `device_bytes` defaults to its total
     memory), refused with one line when it does not fit; None on CPU or with run.memory_check=false.
-    Reads the configs and builds meta skeletons only."""
+    Reads the configs and builds meta skeletons only, unless the shapes are given (the start-up plan
+    has them). `cfg` must be concrete: model.dtype="auto" is refused (the plan resolves it)."""
     if device_bytes is None and (layout.device.type != "cuda" or not cfg.run.memory_check):
         return None
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    from distflow.distributed.devices import torch_dtype
-    from distflow.models.anatomy import skeleton
+    from distflow.distributed.devices import compute_dtype
 
     def shape(path: str) -> ModelShape:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
-        model = skeleton(AutoModelForCausalLM, config, cfg.model.trust_remote_code)
-        return ModelShape.of(config, sum(p.numel() for p in model.parameters()))
+        return model_shape(AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code),
+                           cfg.model.trust_remote_code)
 
+    compute = compute_dtype(cfg.model.dtype).itemsize
     total = torch.cuda.mem_get_info(layout.device)[1] if device_bytes is None else device_bytes
-    compute = torch_dtype(cfg.model.dtype, "cuda").itemsize
-    phases = estimate(cfg, shape(model_path), shape(critic_path) if critic_path and cfg.has_critic else None, total,
-                      layout.shard, layout.engine_tp, compute)
+    critic = None
+    if critic_path and cfg.has_critic:
+        critic = critic_shape or shape(critic_path)
+    phases = estimate(cfg, policy_shape or shape(model_path), critic, total, layout.shard, layout.engine_tp, compute)
     check(phases, total)
     return phases

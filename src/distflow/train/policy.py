@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from distflow.config import ModelConfig, OptimConfig
 from distflow.distributed import all_reduce
-from distflow.distributed.devices import torch_dtype
+from distflow.distributed.devices import compute_dtype, concrete
 from distflow.distributed.layout import ParallelLayout
 from distflow.models.anatomy import decoder_blocks, experts_of, skeleton
 from distflow.train.shared_prefix import Batch, install
@@ -59,9 +59,11 @@ class ShardedModel:
                  trainable: bool = True, lr: float | None = None, warmup_steps: int | None = None,
                  load_full: Callable[[], torch.nn.Module] | None = None):
         self.device = device = layout.device
+        # concrete values only: the start-up plan resolved every "auto" (refused here, before any mesh)
+        compute = compute_dtype(model_cfg.dtype)
+        packs = concrete("optim.shared_prefix", optim.shared_prefix) == "on"
         model.config.use_cache = False
         mesh = layout.fsdp_mesh
-        compute = torch_dtype(model_cfg.dtype, layout.device)
         mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute != torch.float32 else MixedPrecisionPolicy()
         if model_cfg.activation_checkpointing and trainable:
             # transformers' per-block checkpointing runs inside each block's __call__, so FSDP2's
@@ -75,7 +77,7 @@ class ShardedModel:
         self.head = output_head(model) if self.logprob_chunk_tokens and model.get_output_embeddings() is not None \
             else None
         blocks = decoder_blocks(model)
-        if optim.shared_prefix != "off":
+        if packs:
             install(model)  # packed rows attend through it; padded rows keep the model's own
         self.lora = has_adapters(model)
         if compute != torch.float32 and (self.lora or not trainable):
@@ -149,12 +151,14 @@ class ShardedModel:
         return float(self.optimizer.param_groups[0]["lr"])
 
 
-def check_model_options(model_path: str, model_cfg: ModelConfig) -> None:
+def check_model_options(model_path: str, model_cfg: ModelConfig, config=None) -> None:
     """The model options that depend on the model itself, checked before any weights load, with one
     line on every rank: a router loss weight for a model without experts, and LoRA targets (a
     meta-device skeleton is adapted as the policy will be: a target that matches nothing or a layer
-    PEFT cannot adapt is refused). Costs no memory and draws nothing from the RNG."""
-    config = AutoConfig.from_pretrained(model_path, trust_remote_code=model_cfg.trust_remote_code)
+    PEFT cannot adapt is refused). Costs no memory and draws nothing from the RNG. `config`: the
+    folder's HF config when the caller has read it already (the start-up plan)."""
+    if config is None:
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=model_cfg.trust_remote_code)
     aux_loss_coef(config, model_cfg.router_aux_loss_coef)
     if not model_cfg.lora.enabled:
         return

@@ -24,6 +24,7 @@ from distflow.algorithms import aggregate_denominator, aggregate_numerator, comp
 from distflow.algorithms.mismatch import MismatchSums, combine, mismatch_vector
 from distflow.config import DistflowConfig
 from distflow.distributed import all_reduce
+from distflow.distributed.devices import concrete
 from distflow.sample import Sample
 from distflow.train.batch import CURRENT_POLICY, TokenBatch, UpdateBatch
 from distflow.train.critic import Critic
@@ -166,7 +167,8 @@ class Updater:
         self.temperature, self.response_budget = cfg.rollout.temperature, cfg.rollout.response_budget()
         self.micro_batch_size, self.token_budget = o.micro_batch_size, o.micro_batch_tokens
         self.mini_batches, self.epochs = o.mini_batches, a.ppo_epochs
-        self.shared_prefix = o.shared_prefix == "on" or (o.shared_prefix == "auto" and a.group_size > 1)
+        # decided once by the start-up plan (distflow.distributed.devices.shared_prefix); "auto" is refused
+        self.shared_prefix = concrete("optim.shared_prefix", o.shared_prefix) == "on"
         self.pad_id = pad_id
 
     # --- planning -------------------------------------------------------------------------
