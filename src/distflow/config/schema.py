@@ -93,19 +93,34 @@ def _across_sections(cfg: DistflowConfig) -> list[tuple[bool, str]]:
     ]
 
 
-def config_record(cfg: DistflowConfig) -> dict[str, Any]:
-    """The resolved config as JSON data: config.json, the checkpoint marker and W&B all store this."""
-    return to_record(cfg)
+def config_record(cfg: DistflowConfig, auto: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The resolved config as JSON data: config.json, the checkpoint marker and W&B all store this.
+    `auto` (the start-up plan's: each key it made concrete -> what the user wrote, "auto" or null) is
+    stored beside the sections under AUTO, so the record says both what ran and what was asked for."""
+    record = to_record(cfg)
+    if auto:
+        record[AUTO] = dict(auto)
+    return record
 
 
+AUTO = "auto"  # the record's entry beside the sections: the keys the user left automatic
 OPERATIONAL = operational_keys(DistflowConfig)
 
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """'key: saved -> current' for every key that names the run (is not operational) and differs.
-    A key newer than the saved run counts as saved at its default."""
-    a = {**flat_record(config_record(DistflowConfig()), DistflowConfig), **flat_record(saved, DistflowConfig)}
-    b = flat_record(current, DistflowConfig)
+    A key newer than the saved run counts as saved at its default. A key differs only when both its
+    value and what was asked for (a record's AUTO entry) differ, so a saved "auto" (a record written
+    before the start-up plan resolved every automatic value) equals the value "auto" resolves to now."""
+    a, a_asked = _values_and_asked(saved, flat_record(config_record(DistflowConfig()), DistflowConfig))
+    b, b_asked = _values_and_asked(current, {})
     missing = "(unset)"
     return [f"{k}: {a.get(k, missing)!r} -> {b.get(k, missing)!r}" for k in sorted((a.keys() | b.keys()) - OPERATIONAL)
-            if a.get(k, missing) != b.get(k, missing)]
+            if a.get(k, missing) != b.get(k, missing) and a_asked.get(k, missing) != b_asked.get(k, missing)]
+
+
+def _values_and_asked(record: dict[str, Any], defaults: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A record's flat values, and the same with the user's automatic settings back in place."""
+    sections = {k: v for k, v in record.items() if k != AUTO}
+    values = {**defaults, **flat_record(sections, DistflowConfig)}
+    return values, {**values, **record.get(AUTO, {})}

@@ -281,15 +281,16 @@ def report_error(message: str) -> None:
             pass
 
 
-def save_config(cfg: DistflowConfig, path: Path, write: bool) -> None:
+def save_config(cfg: DistflowConfig, path: Path, write: bool, auto: dict | None = None) -> None:
     """Every rank must run the same config (a stray override on one node would silently
     diverge the SPMD program): compare a hash of the config record across ranks; one rank
     writes it to `path` (config.json). Whether that write failed is agreed on, so a full disk
-    stops every rank with the same line."""
+    stops every rank with the same line. `cfg` is the concrete config that runs; `auto` (the
+    start-up plan's) the keys the user left automatic, recorded beside it under "auto"."""
     from distflow.config import ConfigError, config_record
     from distflow.distributed import all_reduce, broadcast_object
 
-    text = json.dumps(config_record(cfg), sort_keys=True)
+    text = json.dumps(config_record(cfg, auto), sort_keys=True)
     digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:6], "little")  # exact in float64
     neg_low, high = all_reduce([-digest, digest], "max").tolist()  # min and max in one all_reduce
     if int(-neg_low) != int(high):
