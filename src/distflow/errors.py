@@ -2,8 +2,11 @@
 
 Every rank raises the same one of these with the same line, so that a launcher sees one cause:
 `recipes/grpo.py` prints it as `distflow: error: ...` and exits with the status named here. This
-module imports nothing, so every wing can raise them.
+module imports only the standard library, so every wing can raise them.
 """
+
+import shutil
+from pathlib import Path
 
 EXIT_OK = 0
 EXIT_ABORTED = 1  # RunAborted
@@ -24,3 +27,24 @@ class RunAborted(RuntimeError):
 
 class RunComplete(Exception):
     """The folder holds this run, already finished: nothing to train (exit 0)."""
+
+
+def free_space(path: str | Path) -> str:
+    """Free space on the file system of `path` (or of its nearest existing parent), for an error line."""
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        free = float(shutil.disk_usage(p).free)
+    except OSError:
+        return "unknown"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if free < 1024:
+            return f"{free:.0f} {unit}" if unit == "B" else f"{free:.1f} {unit}"
+        free /= 1024
+    return f"{free:.1f} TiB"
+
+
+def write_failure_line(path: str | Path, err: OSError) -> str:
+    """`could not write <path>: No space left on device (0 B free there)`."""
+    return f"could not write {path}: {err.strerror or err} ({free_space(path)} free there)"

@@ -24,6 +24,7 @@ from distflow.train.policy import Policy
 from distflow.errors import RunComplete
 from distflow.run.resume import plan_resume
 from distflow.run.rundir import RunDir
+from distflow.seeds import derive_seed
 
 IDS = torch.tensor([[1, 5, 9, 33, 70, 2], [4, 8, 15, 16, 23, 42]])
 SEED, STEP = 7, 3
@@ -76,7 +77,7 @@ def _load_and_compare(rank, world, model_dir, root, shard_ranks, saved, saved_wo
     assert sampler.state_dict()["offset"] == 2 * saved_world  # the global stream continues
     drawn = torch.rand(3)
     if rank >= saved_world:  # a rank the saving run did not have: streams from (seed, step, rank)
-        torch.manual_seed((SEED * 1_000_003 + STEP) * 1_009 + rank)
+        torch.manual_seed(derive_seed(SEED, "rng", STEP, rank))
         assert torch.equal(drawn, torch.rand(3))
     else:  # its own saved streams
         torch.manual_seed(100 + rank)

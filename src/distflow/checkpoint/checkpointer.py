@@ -47,8 +47,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from distflow.config import ConfigError
 from distflow.distributed import all_reduce, rank_and_world
 from distflow.checkpoint.reader import is_count, is_plain_name, load_checkpoint
-from distflow.run.output import free_space
-from distflow.errors import RunAborted
+from distflow.errors import RunAborted, free_space
+from distflow.seeds import derive_seed
 
 log = logging.getLogger("distflow")
 
@@ -110,7 +110,7 @@ class RNGState(Stateful):
         """Streams for a rank the saving run did not have: seeded from (run seed, step, rank), so
         a resized resume is reproducible. Another rank's streams are never copied (two ranks
         would draw the same numbers)."""
-        derived = (self.seed * 1_000_003 + step) * 1_009 + rank
+        derived = derive_seed(self.seed, "rng", step, rank)
         cuda = torch.Generator(self.device).manual_seed(derived).get_state() if self.device.type == "cuda" else None
         return _rng_json(torch.Generator().manual_seed(derived).get_state(), random.Random(derived).getstate(),
                          np.random.RandomState(derived % 2**32).get_state(), cuda)
@@ -208,7 +208,7 @@ class Checkpointer:
         self.keep_last = max(1, keep_last)
         self.rank = rank
         self.registry: dict[str, tuple[str, Stateful]] = {}
-        self.before_marker: Callable[[int], None] | None = None  # test-only (distflow.run.faults.save_fault)
+        self.before_marker: Callable[[int], None] | None = None  # observers' hook (test-only fault injection)
 
     def register(self, name: str, state: Stateful, scope: str) -> None:
         """Add `state` to every later save and load, under `name`."""

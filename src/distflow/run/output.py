@@ -27,12 +27,13 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from distflow.errors import write_failure_line
 
 if TYPE_CHECKING:
     from distflow.config import DistflowConfig
@@ -63,27 +64,6 @@ EXPECTED = (
 )
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _write_failure: str | None = None  # this rank's first failed write into the run folder, until the ranks agree
-
-
-def free_space(path: str | Path) -> str:
-    """Free space on the file system of `path` (or of its nearest existing parent), for an error line."""
-    p = Path(path)
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    try:
-        free = float(shutil.disk_usage(p).free)
-    except OSError:
-        return "unknown"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if free < 1024:
-            return f"{free:.0f} {unit}" if unit == "B" else f"{free:.1f} {unit}"
-        free /= 1024
-    return f"{free:.1f} TiB"
-
-
-def write_failure_line(path: str | Path, err: OSError) -> str:
-    """`could not write <path>: No space left on device (0 B free there)`."""
-    return f"could not write {path}: {err.strerror or err} ({free_space(path)} free there)"
 
 
 def note_write_failure(path: str | Path, err: OSError) -> None:
