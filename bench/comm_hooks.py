@@ -19,8 +19,9 @@ on the source rank. Nested calls (broadcast_object_list -> broadcast) are counte
 outermost call. distflow's helpers are also counted one level up (`helpers`), including at world
 size 1 where they return without calling torch.distributed.
 
-Steps are delimited by the trainer itself: calls before Trainer.train() are `setup`, calls up to
-the k-th MetricLogger.log() belong to step k, later ones to `teardown`. Each rank writes
+Steps are delimited by the trainer itself, through an observer (distflow.metrics.timer): calls
+before training starts are `setup`, calls up to the end of the k-th step belong to step k, later
+ones to `teardown`. Each rank writes
 $DISTFLOW_COMM_OUT/rank<r>.json at exit. Nothing under src/ is modified.
 """
 
@@ -185,24 +186,22 @@ def install() -> None:
                     if val is orig:
                         setattr(mod, attr, new)
 
-    trainer_cls, logger_cls = distflow.trainer.Trainer, distflow.metrics.loggers.MetricLogger
-    orig_train, orig_log = trainer_cls.train, logger_cls.log
+    distflow.metrics.timer.PROCESS_OBSERVERS.append(StepWatch())
+    atexit.register(_dump)
 
-    def train(self, *a, **k):
+
+class StepWatch:
+    """An observer of the run (distflow.metrics.timer): which step the collectives belong to."""
+
+    def on_train_start(self, step: int) -> None:
         STATE["step"], STATE["phase"] = 0, "step 1"
-        try:
-            return orig_train(self, *a, **k)
-        finally:
-            STATE["phase"] = "teardown"
 
-    def log(self, *a, **k):
-        out = orig_log(self, *a, **k)
+    def on_step_end(self, step: int, metrics: dict) -> None:
         STATE["step"] += 1
         STATE["phase"] = f"step {STATE['step'] + 1}"
-        return out
 
-    trainer_cls.train, logger_cls.log = train, log
-    atexit.register(_dump)
+    def on_run_end(self, trainer) -> None:
+        STATE["phase"] = "teardown"
 
 
 def _dump() -> None:

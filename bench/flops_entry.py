@@ -1,7 +1,7 @@
 """recipes/grpo.py with this machine's matmul FLOP/s, fp32 and bf16, measured inside the same run
 (bench/flops.py).
 
-Trainer.train is wrapped: after the models are loaded (the process group exists) and again after
+An observer of the run (distflow.metrics.timer) measures after the models are loaded (the process group exists) and again after
 the last step, every rank runs the same matmuls at the same time, with the thread count the run
 uses (see measure(): the machine's aggregate rate for this process layout), in every dtype of
 $DISTFLOW_FLOPS_DTYPES: square ones ($DISTFLOW_FLOPS_SIZES) and the model's own forward GEMMs
@@ -65,25 +65,27 @@ def measure(dtypes: list[str], sizes: list[int], gemms: dict, reps: int) -> dict
 
 
 def install() -> None:
-    import distflow.trainer
+    import distflow.metrics.timer
 
     env = os.environ.get
     dtypes = env("DISTFLOW_FLOPS_DTYPES", "float32,bfloat16").split(",")
     sizes = [int(s) for s in env("DISTFLOW_FLOPS_SIZES", "1024,2048,4096").split(",") if s]
     gemms = json.loads(env("DISTFLOW_FLOPS_GEMMS", "{}"))
     reps = int(env("DISTFLOW_FLOPS_REPS", "5"))
-    orig = distflow.trainer.Trainer.train
+    class Measure:
+        """An observer of the run (distflow.metrics.timer): matmuls before the first step and after the last."""
 
-    def train(self, *a, **k):
-        before = measure(dtypes, sizes, gemms, reps)
-        orig(self, *a, **k)
-        after = measure(dtypes, sizes, gemms, reps)
-        if self.dist.is_main and env("DISTFLOW_FLOPS_OUT"):
-            with open(env("DISTFLOW_FLOPS_OUT"), "w") as f:
-                json.dump({"before": before, "after": after, "world_size": self.dist.world_size, "gemms": gemms},
-                          f, indent=1)
+        def on_train_start(self, step: int) -> None:
+            self.before = measure(dtypes, sizes, gemms, reps)
 
-    distflow.trainer.Trainer.train = train
+        def on_run_end(self, trainer) -> None:
+            after = measure(dtypes, sizes, gemms, reps)
+            if trainer.dist.is_main and env("DISTFLOW_FLOPS_OUT"):
+                with open(env("DISTFLOW_FLOPS_OUT"), "w") as f:
+                    json.dump({"before": self.before, "after": after, "world_size": trainer.dist.world_size,
+                               "gemms": gemms}, f, indent=1)
+
+    distflow.metrics.timer.PROCESS_OBSERVERS.append(Measure())
 
 
 if __name__ == "__main__":

@@ -1,15 +1,17 @@
 """Peak memory per rank and per trainer phase (used by bench/memory.py).
 
-`install()` wraps the Trainer's phase methods so that each one opens a labelled interval:
+`install()` adds an observer of the trainer's phases (distflow.metrics.timer), so that each phase
+opens a labelled interval:
 
-  startup   Trainer.__init__ (process group, engine, policy, reference, critic, resume)
-  generate  Trainer.generate        logprob  Trainer.compute_logprobs
-  update    Trainer.update          sync     Trainer.sync_weights
-  probe     Trainer.probe_sync      validate Trainer.validate
-  other     everything in between (scoring, balancing, logging, checkpoints, export)
+  startup   the components' construction (task, engine, policy, reference, critic, resume)
+  generate  the engine's rollouts   logprob   the forward passes before the update
+  update    the optimizer steps     sync      the weight resync
+  probe     the engine/policy probe validate  held-out evaluation
+  reward, balance: scoring and balancing the trainer waits for
+  other     everything in between (logging, checkpoints, export)
 
-Start-up is split further into startup:engine (build_engine), startup:policy (each Policy, the
-reference too) and startup:critic; `imports` is the RSS when the Trainer starts (torch,
+Start-up is split further into startup:engine (the engine), startup:policy (the policy and the
+reference) and startup:critic; `imports` is the RSS when the Trainer starts (torch,
 transformers, Hydra). Nested phases (these, or the resync inside a resume) count for the inner
 one: a phase's peak is the max over it and its `phase:` parts. At every boundary the
 interval's peak is read and the counter reset, so nothing between two samples is missed:
@@ -27,7 +29,6 @@ them). Each rank writes $DISTFLOW_MEM_OUT/rank<r>.json at exit. Nothing under sr
 from __future__ import annotations
 
 import atexit
-import functools
 import json
 import os
 import re
@@ -35,8 +36,11 @@ import threading
 import time
 from pathlib import Path
 
-PHASES = {"__init__": "startup", "generate": "generate", "compute_logprobs": "logprob", "update": "update",
-          "sync_weights": "sync", "probe_sync": "probe", "validate": "validate"}
+# the trainer's phases (distflow.metrics.timer) that are their own intervals here; any other phase
+# (reward, balance) is charged under its own name
+PHASES = {"startup": "startup", "startup:engine": "startup:engine", "startup:policy": "startup:policy",
+          "startup:critic": "startup:critic", "generate": "generate", "logprob": "logprob", "update": "update",
+          "sync": "sync", "probe": "probe", "validate": "validate"}
 KIB = 1024
 
 
@@ -139,21 +143,6 @@ def _children_rss() -> int:
 METER: PhaseMeter | None = None
 
 
-def _wrap(owner, name: str, label: str) -> None:
-    """Replace owner.name (a method or a module's function) by one that opens phase `label`."""
-    fn = getattr(owner, name)
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        METER.enter(label)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            METER.exit()
-
-    setattr(owner, name, wrapper)
-
-
 def _write() -> None:
     out = os.environ.get("DISTFLOW_MEM_OUT")
     if not out or METER is None:
@@ -164,18 +153,22 @@ def _write() -> None:
     path.write_text(json.dumps(res, indent=1))
 
 
+class PhaseObserver:
+    """An observer of the run (distflow.metrics.timer): each timed phase opens its interval."""
+
+    def on_phase_start(self, phase: str, step: int) -> None:
+        METER.enter(PHASES.get(phase, phase))
+
+    def on_phase_end(self, phase: str, step: int, seconds: float) -> None:
+        METER.exit()
+
+
 def install() -> None:
     global METER
-    import distflow.trainer as trainer
-    from distflow.train.critic import Critic
-    from distflow.train.policy import Policy
+    import distflow.metrics.timer
 
     METER = PhaseMeter()
-    for name, label in PHASES.items():
-        _wrap(trainer.Trainer, name, label)
-    _wrap(Policy, "__init__", "startup:policy")
-    _wrap(Critic, "__init__", "startup:critic")
-    _wrap(trainer, "build_engine", "startup:engine")
+    distflow.metrics.timer.PROCESS_OBSERVERS.append(PhaseObserver())
     METER.enter("imports")
     METER.exit()
     atexit.register(_write)

@@ -7,10 +7,16 @@ and on probed steps; past PROBE_LIMIT every rank stops with one line.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from distflow.distributed import all_reduce
+from distflow.errors import RunAborted
 from distflow.sample import Sample
 from distflow.train.batch import TokenBatch
+
+log = logging.getLogger("distflow")
 
 # The probe stops the run above these max |engine - policy| logprobs (run.allow_engine_mismatch:
 # it warns instead). In float32 both sides compute the same function and differ by summation
@@ -50,3 +56,44 @@ def mismatch_line(diff: float, dtype: str, model_type: str, when: str) -> str | 
     return (f"{when}: the engine's logprobs differ from the policy's by up to {diff:.3g} ({model_type}, {dtype}; at "
             f"most {limit:g} expected): the engine does not compute what the policy trains, or does not hold its "
             "weights; run.allow_engine_mismatch=true trains anyway")
+
+
+class EngineProbe:
+    """The probe as the run uses it: once at start-up on the rank's first prompts, then after the
+    resync of every `run.sync_probe_every`-th step (and the first) on the step's own rows. Every rank
+    takes the largest gap of any rank; past PROBE_LIMIT they all stop with the same line
+    (run.allow_engine_mismatch: a warning)."""
+
+    def __init__(self, engine, policy, run_cfg, dtype: str, pad_id: int):
+        """`engine`: anything with `prompt_logprobs` (the Rollout); `run_cfg`: the run section."""
+        self.engine, self.policy, self.r, self.dtype, self.pad_id = engine, policy, run_cfg, dtype, pad_id
+
+    def at_start(self, items: list) -> float:
+        """Once before any step, whatever run.sync_probe_every says: the engine as loaded (or resynced from
+        the checkpoint) against the policy, on the rank's first prompts (`items`: PromptItems); a
+        mismatched family stops here."""
+        seqs = [item.prompt_ids for item in items[: max(self.r.sync_probe_seqs, 2)]] or [[self.pad_id] * 2]
+        diff = self.check(seqs, "start-up")
+        log.info(f"start-up probe: engine and policy logprobs agree to {diff:.3g}")
+        return diff
+
+    def after_sync(self, step: int, samples: list[Sample], tokens: TokenBatch) -> float | None:
+        """Max |engine - policy| logprob on this step's first sequences (the batch's own rows), after
+        the resync; None when this step is not probed."""
+        n, every = self.r.sync_probe_seqs, self.r.sync_probe_every
+        if n == 0 or (step % every and step != 1):
+            return None
+        seqs = [s.prompt_ids + s.response_ids for s in samples[:n]]
+        rows = tokens.whole(list(range(len(seqs)))) if seqs else None
+        return self.check(seqs or [[self.pad_id] * 2], f"step {step}", rows)
+
+    def check(self, seqs: list[list[int]], when: str, rows: TokenBatch | None = None) -> float:
+        """The largest |engine - policy| logprob of any rank on `seqs` (a collective)."""
+        diff = max_logprob_diff(self.engine, self.policy, seqs, self.pad_id, rows)
+        diff = float(all_reduce(diff, op="max")[0])
+        line = mismatch_line(diff, self.dtype, self.policy.model.config.model_type, when)
+        if line and not self.r.allow_engine_mismatch:
+            raise RunAborted(line)
+        if line:
+            log.warning(line)
+        return diff

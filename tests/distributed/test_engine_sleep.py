@@ -148,28 +148,56 @@ class RecordingEngine:
 
 
 def _train_two_steps(rank, world, out):
+    import distflow.rollout.collect as C
     import distflow.trainer as T
 
     calls = []
-    real = T.build_engine
-    T.build_engine = lambda *a, **k: RecordingEngine(real(*a, **k), calls)
+    real = C.build_engine
+    C.build_engine = lambda *a, **k: RecordingEngine(real(*a, **k), calls)
     cfg = fp32_config()
     cfg.rollout.engine, cfg.rollout.max_new_tokens = "hf", 8
     cfg.task.path, cfg.task.reward = str(ROOT / "recipes" / "data" / "arith.jsonl"), "numeric"
     cfg.run.steps, cfg.run.output_dir, cfg.run.sync_probe_every = 2, f"{out}/run", 1
     cfg.logging.plot_at_end = cfg.logging.progress_bar = False
-    trainer = T.Trainer(cfg)
+    events = []
+
+    class Recorder:  # an observer (distflow.metrics.timer): sees the phases, changes nothing
+        def on_train_start(self, step):
+            events.append(["train", step])
+
+        def on_phase_end(self, phase, step, seconds):
+            events.append([phase, step])
+
+        def on_step_end(self, step, metrics):
+            events.append(["step_end", step, metrics["step"]])
+
+        def on_checkpoint(self, step, path):
+            events.append(["checkpoint", step])
+
+        def on_run_end(self, trainer):
+            events.append(["end", trainer.step])
+
+    trainer = T.Trainer(cfg, observers=[Recorder()])
     try:
         trainer.train()
     finally:
-        trainer.rewards.close()
-        trainer.scoring_thread.shutdown()
+        trainer.close()
     with open(f"{out}/calls.json", "w") as f:
-        json.dump(calls, f)
+        json.dump({"calls": calls, "events": events}, f)
 
 
 def test_trainer_sleeps_after_rollout_and_wakes_only_through_the_resync(tmp_path):
     run_distributed(_train_two_steps, 1, str(tmp_path), timeout=600)
-    calls = json.loads((tmp_path / "calls.json").read_text())
+    record = json.loads((tmp_path / "calls.json").read_text())
+    calls, events = record["calls"], record["events"]
     step = ["generate", "sleep", "load_weights", "prompt_logprobs"]  # rollout, update, resync, probe
     assert calls == ["prompt_logprobs"] + step + step, calls  # the start-up probe, then two steps
+    # the observers see start-up, then each step's phases in the loop's order, then the end
+    startup = [e for e in events if e[0].startswith("startup")]
+    assert [e[0] for e in startup] == ["startup:engine", "startup:policy", "startup:critic", "startup"], startup
+    loop = events[events.index(["train", 0]):]
+    phases = ["generate", "balance", "logprob", "reward", "update", "sync", "probe"]
+    for s in (1, 2):
+        assert [e for e in loop if e[1] == s and e[0] in phases] == [[p, s] for p in phases], loop
+        assert ["step_end", s, s] in loop
+    assert loop[-3:] == [["step_end", 2, 2], ["checkpoint", 2], ["end", 2]], loop  # checkpoint.at_end

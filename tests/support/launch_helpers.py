@@ -85,3 +85,12 @@ def assert_clean_failure(proc: subprocess.CompletedProcess, needle: str, before_
     assert any(line.startswith(needle) for line in text.splitlines()), text[-5000:]
     assert f"traceback : {needle}" in proc.stderr, text[-5000:]
     assert not before_loading or LOADING not in text, text[-3000:]
+
+
+def children() -> set[int]:
+    """The pids of this process's live children (every thread's), from /proc."""
+    pids = set()
+    for tid in os.listdir(f"/proc/{os.getpid()}/task"):
+        with open(f"/proc/{os.getpid()}/task/{tid}/children") as f:
+            pids.update(int(p) for p in f.read().split())
+    return pids

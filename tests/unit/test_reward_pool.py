@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from launch_helpers import SUPPORT
+from launch_helpers import SUPPORT, children
 
 from distflow.config import ConfigError, TaskConfig
 from distflow.tasks.rewards.pool import RewardPool
@@ -22,14 +22,6 @@ MIS = "rewards_for_tests:misbehave"  # float(len(completion)) for mode "ok", els
 
 def calls(*modes: str, completion: str = "abcd") -> list[tuple]:
     return [("prompt", completion, [1, 2, 3], {"answer": "4", "mode": m}) for m in modes]
-
-
-def children() -> set[int]:
-    pids = set()
-    for tid in os.listdir(f"/proc/{os.getpid()}/task"):
-        with open(f"/proc/{os.getpid()}/task/{tid}/children") as f:
-            pids.update(int(p) for p in f.read().split())
-    return pids
 
 
 def records(caplog, spec: str, what: str) -> list[logging.LogRecord]:

@@ -6,12 +6,12 @@ on close()."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
 import distflow.tasks.task as task_module
 from data_helpers import make_tokenizer, write_jsonl
+from launch_helpers import children
 from distflow.config import ConfigError, TaskConfig
 from distflow.tasks import Task, load_prompts
 from distflow.tasks.envs import BUILTIN_ENVS, Step, ToolEnv, build_env
@@ -23,14 +23,6 @@ TRAIN = [
     {"question": "what is one plus two", "label": 3},
 ]
 HELDOUT = [{"question": "what is two plus one", "label": 3}]
-
-
-def children() -> set[int]:
-    pids = set()
-    for tid in os.listdir(f"/proc/{os.getpid()}/task"):
-        with open(f"/proc/{os.getpid()}/task/{tid}/children") as f:
-            pids.update(int(p) for p in f.read().split())
-    return pids
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """From a step's typed records to its metric keys: what the run reports, decided in one place.
 
-The phases return records of per-rank sums (`RolloutStats`, `UpdateResult`); `step_report`
+The phases return records of per-rank sums (`RolloutStats`, `UpdateResult`), gathered in a
+`StepRecord`; `step_report`
 reduces them over ranks in two all_reduces (sums; maxima with minima folded in) and turns
 them into the metric keys this run has (KL keys only with KL on, value keys only with a
 critic, ...). The trainer never names a metric key.
@@ -8,7 +9,7 @@ critic, ...). The trainer never names a metric key.
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -16,18 +17,32 @@ from distflow.algorithms.mismatch import EDGES, percentile
 from distflow.config import DistflowConfig
 from distflow.distributed import rank_and_world
 from distflow.rollout.episodes import episode_sums
-from distflow.rollout.groups import RolloutStats
+from distflow.rollout.groups import Rollouts
 from distflow.rollout.scoring import REWARD_FAILURES
 from distflow.metrics.loggers import reduce_step_metrics
 from distflow.sample import Sample
 from distflow.train.update import UpdateResult
 
 
-def step_report(cfg: DistflowConfig, step: int, samples: list[Sample], rewards: torch.Tensor, groups: int,
-                stats: RolloutStats, upd: UpdateResult, timing: dict[str, float], probe: float,
-                lr: float) -> dict[str, float]:
+@dataclass(frozen=True)
+class StepRecord:
+    """What a step produced, as the phases returned it; the report reads the parts present."""
+
+    step: int
+    rollouts: Rollouts  # the kept groups (their samples and counts)
+    rewards: torch.Tensor  # [groups, G]
+    update: UpdateResult
+    timing: dict[str, float]
+    lr: float
+    probe: float | None = None  # max |engine - policy| logprob after the resync; None: not probed
+
+
+def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
     """The step's metrics, identical on every rank (a collective: every rank calls it)."""
     a = cfg.algorithm
+    step, samples, rewards, groups = rec.step, rec.rollouts.samples, rec.rewards, len(rec.rollouts.items)
+    stats, upd, timing, lr = rec.rollouts.stats, rec.update, rec.timing, rec.lr
+    probe = float("nan") if rec.probe is None else rec.probe
     s = upd.sums
     resp_lens = [len(x.response_ids) for x in samples] or [0]
     sums = {

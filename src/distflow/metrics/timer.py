@@ -20,6 +20,8 @@ PROCESS_OBSERVERS: list[Any] = []
 
 
 class Observer(Protocol):
+    def on_train_start(self, step: int) -> None: ...
+
     def on_phase_start(self, phase: str, step: int) -> None: ...
 
     def on_phase_end(self, phase: str, step: int, seconds: float) -> None: ...
@@ -29,6 +31,13 @@ class Observer(Protocol):
     def on_checkpoint(self, step: int, path: str) -> None: ...
 
     def on_run_end(self, trainer: Any) -> None: ...
+
+    # Observers that may change what passes (test-only fault injection, distflow.run.faults):
+    def on_batch(self, step: int, batch: Any) -> Any: ...
+
+    def on_weights(self, step: int, weights: Any) -> Any: ...
+
+    def before_checkpoint_marker(self, step: int) -> None: ...
 
 
 class PhaseTimer:
@@ -53,6 +62,13 @@ class PhaseTimer:
         for obs in self.observers:
             if (hook := getattr(obs, event, None)) is not None:
                 hook(*args)
+
+    def passed(self, event: str, step: int, value: Any) -> Any:
+        """`value` after every observer's `event` hook (on_batch, on_weights) has seen it."""
+        for obs in self.observers:
+            if (hook := getattr(obs, event, None)) is not None:
+                value = hook(step, value)
+        return value
 
     @contextmanager
     def phase(self, key: str) -> Iterator[None]:

@@ -1,31 +1,11 @@
 """The rollout side: engines behind one small protocol (vLLM, transformers generate, tensor-parallel
-groups), the weight stream that keeps them in sync with the policy, single-turn and multi-turn
-rollouts, cross-rank balancing of groups, scoring, and held-out evaluation."""
+groups), single-turn and multi-turn rollouts, cross-rank balancing of groups, scoring, and held-out
+evaluation. Its face is one component, `Rollout` (collect, evaluate, load weights, sleep), which
+a rank can run without distflow.train: rollout/ never imports it."""
 
-from __future__ import annotations
-
-import torch
-
-from distflow.config import ModelConfig, RolloutConfig
 from distflow.rollout.base import RolloutEngine
+from distflow.rollout.engines import build_engine
+from distflow.rollout.collect import Rollout
+from distflow.rollout.evaluation import Validator
 
-__all__ = ["RolloutEngine", "build_engine"]
-
-
-def build_engine(model_path: str, model: ModelConfig, rollout: RolloutConfig, device: torch.device, seed: int,
-                 group=None) -> RolloutEngine:
-    """Construct the configured engine. Must be called on every rank together (vLLM runs a collective).
-    `group`: this rank's engine group (ParallelLayout.engine_group) when rollout.tensor_parallel_size > 1."""
-    if rollout.engine == "vllm":
-        from distflow.rollout.vllm_engine import VLLMEngine
-
-        engine = VLLMEngine(model_path, model, rollout, device, seed)
-        if rollout.tensor_parallel_size == 1:
-            return engine
-        from distflow.rollout.engine_group import EngineGroup
-
-        assert group is not None, "a tensor-parallel engine needs its ranks' group (ParallelLayout.engine_group)"
-        return EngineGroup(engine, group)
-    from distflow.rollout.hf_engine import HFEngine
-
-    return HFEngine(model_path, model, rollout, device)
+__all__ = ["Rollout", "RolloutEngine", "Validator", "build_engine"]

@@ -8,7 +8,7 @@ engine serves the concatenation once, and each rank keeps its own slice of the a
 funnels through one rank, and what a rank sends depends on its own requests and k, not on the
 world size.
 
-Seeds: a prompt's sample seed is derived exactly as with one engine per rank (sample_seed(run
+Seeds: a prompt's sample seed is derived exactly as with one engine per rank (derive_seed(run
 seed, epoch, offset, owning rank, index)) and travels with the prompt, so every rank of the group
 hands vLLM the same seed for it; the engine seed (run.seed) is the same on every rank.
 """

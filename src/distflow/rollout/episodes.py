@@ -30,8 +30,8 @@ from distflow.config import ConfigError, RolloutConfig
 from distflow.tasks.prompts import PromptItem
 from distflow.tasks.rewards.pool import RewardPool
 from distflow.rollout.base import RolloutEngine
-from distflow.rollout.groups import sample_seed
 from distflow.sample import EpisodeInfo, Sample
+from distflow.seeds import derive_seed
 
 _TURN = "\u2063distflow-turn\u2063"  # stands for the model's turn when rendering the template
 
@@ -149,7 +149,7 @@ class EpisodeRunner:
                 if not active and not self.lockstep:
                     break
                 contexts = [episodes[e].prompt_ids + episodes[e].ids for e in active]
-                turn_seeds = [sample_seed(seeds[e // n], e % n, turn) for e in active]
+                turn_seeds = [derive_seed(seeds[e // n], e % n, turn) for e in active]
                 outputs = [g[0] for g in self.engine.generate(contexts, 1, turn_seeds, greedy)]
             stepping = [e for e, out in zip(active, outputs) if self._add_turn(episodes[e], out)]
             results, _ = self.pool.steps([(fields[e], episodes[e].info.transcript) for e in stepping])

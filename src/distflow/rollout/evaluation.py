@@ -1,4 +1,5 @@
-"""Held-out evaluation: greedy pass@1 and sampled pass@k, sharded over all ranks.
+"""Held-out evaluation: greedy pass@1 and sampled pass@k, sharded over all ranks, and the
+validator that decides when it runs.
 
 Each rank evaluates items rank, rank + W, ...; only three counts per metric cross ranks.
 A sample passes when its reward reaches PASS_THRESHOLD (the built-in verifiers return 1.0 for
@@ -7,11 +8,15 @@ a correct answer).
 
 from __future__ import annotations
 
-from distflow.tasks.prompts import PromptItem
+from typing import Callable
+
+from distflow.config import ValidationConfig
 from distflow.distributed import DistInfo, all_reduce
+from distflow.tasks.prompts import PromptItem
 from distflow.tasks.rewards.pool import RewardPool
 from distflow.rollout.episodes import episode_sums
 from distflow.rollout.scoring import score_groups
+from distflow.seeds import derive_seed
 
 PASS_THRESHOLD = 1.0 - 1e-6
 
@@ -29,7 +34,7 @@ def evaluate(runner, pool: RewardPool, tokenizer, items: list[PromptItem], dist:
     local = [float((rewards >= PASS_THRESHOLD).sum()), float(len(mine)),
              float(sum(len(s.response_ids) for s in greedy)), episodes["turns"], episodes["tool_calls"]]
     if k > 0:
-        seeds = [seed * 7919 + dist.rank * 104729 + i for i in range(len(mine))]
+        seeds = [derive_seed(seed, "heldout", dist.rank, i) for i in range(len(mine))]
         sampled = [s for g in runner.run(mine, k, seeds) for s in g]
         rewards_k, _ = score_groups(pool, tokenizer, mine, sampled, k)
         local.append(float((rewards_k >= PASS_THRESHOLD).any(dim=1).sum()))
@@ -41,3 +46,25 @@ def evaluate(runner, pool: RewardPool, tokenizer, items: list[PromptItem], dist:
     if k > 0:
         out.update({"val/pass@k": total[5] / n, "val/k": float(k)})
     return out
+
+
+class Validator:
+    """When held-out evaluation runs (validation.before_train, .every, .at_end), and the results
+    before and after training that summary.json reports (checkpointed with the trainer's state)."""
+
+    def __init__(self, v: ValidationConfig, steps: int, evaluate: Callable[[], dict[str, float]]):
+        self.v, self.steps, self.evaluate = v, steps, evaluate
+        self.evaluations: dict[str, dict[str, float]] = {}
+
+    def before_training(self, step: int) -> None:
+        if self.v.before_train and step == 0:
+            self.evaluations["before"] = self.evaluate()
+
+    def after_step(self, step: int) -> dict[str, float]:
+        """The held-out metrics due after `step` (none: {})."""
+        if step == self.steps:
+            if not self.v.at_end:
+                return {}
+            self.evaluations["after"] = self.evaluate()
+            return self.evaluations["after"]
+        return self.evaluate() if self.v.every and step % self.v.every == 0 else {}

@@ -7,7 +7,6 @@ between ranks (distflow.rollout.balance).
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -66,9 +65,3 @@ class Rollouts:
     def token_costs(self) -> list[int]:
         """Prompt + response tokens per group: what the update pays for it."""
         return [sum(len(s.prompt_ids) + len(s.response_ids) for s in samples) for _, samples, _ in self.groups()]
-
-
-def sample_seed(*parts: int) -> int:
-    """A 31-bit seed derived from (run seed, epoch, offset, rank, index): reproducible and resumable."""
-    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little") & 0x7FFFFFFF

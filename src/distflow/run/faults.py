@@ -1,17 +1,16 @@
 """Test-only fault injection (run.fault_inject): how the tests make a rank die, raise, lag
 behind the others or produce NaN losses at a chosen step of a real run, die in the middle of a
-checkpoint write, or leave a tensor out of a resync."""
+checkpoint write, or leave a tensor out of a resync. The injector is an observer of the run
+(distflow.metrics.timer): the trainer has no fault code of its own."""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
-
-from distflow.train.batch import UpdateBatch
 
 
 def _hit(spec: str, rank: int, step: int) -> str | None:
@@ -23,46 +22,43 @@ def _hit(spec: str, rank: int, step: int) -> str | None:
     return (mode or ["kill"])[0] if int(f_rank) == rank and hit else None
 
 
-def inject_fault(spec: str, rank: int, step: int, batch: UpdateBatch) -> UpdateBatch:
-    """Test-only: run.fault_inject="RANK:STEP[:kill|raise|nan|kill_saving|sleep=S]" fails that
-    rank during that step ("STEP+" = that step and every later one), on the first attempt only
-    (torchrun restarts set TORCHELASTIC_RESTART_COUNT). `nan` poisons the rank's advantages, so
-    its loss is NaN; `sleep=S` makes the rank S seconds slower before its update (a straggler the
-    others wait for); `kill_saving` is `save_fault`'s."""
-    mode = _hit(spec, rank, step)
-    if mode in (None, "kill_saving", "stale_resync"):
+class FaultInjector:
+    """Test-only: run.fault_inject="RANK:STEP[:kill|raise|nan|kill_saving|sleep=S|stale_resync]" fails
+    that rank during that step ("STEP+" = that step and every later one), on the first attempt only
+    (torchrun restarts set TORCHELASTIC_RESTART_COUNT)."""
+
+    def __init__(self, spec: str, rank: int):
+        self.spec, self.rank = spec, rank
+
+    def on_batch(self, step: int, batch):
+        """Before the update: `nan` poisons the rank's advantages, so its loss is NaN; `sleep=S` makes
+        the rank S seconds slower (a straggler the others wait for); `raise` and `kill` fail it."""
+        mode = _hit(self.spec, self.rank, step)
+        if mode in (None, "kill_saving", "stale_resync"):
+            return batch
+        if mode.startswith("sleep="):
+            time.sleep(float(mode.removeprefix("sleep=")))
+            return batch
+        if mode == "nan":
+            return batch.with_(advantages=torch.full_like(batch.advantages, float("nan")))
+        if mode == "raise":
+            raise RuntimeError(f"injected fault on rank {self.rank} at step {step}")
+        os.kill(os.getpid(), signal.SIGKILL)
         return batch
-    if mode.startswith("sleep="):
-        time.sleep(float(mode.removeprefix("sleep=")))
-        return batch
-    if mode == "nan":
-        return batch.with_(advantages=torch.full_like(batch.advantages, float("nan")))
-    if mode == "raise":
-        raise RuntimeError(f"injected fault on rank {rank} at step {step}")
-    os.kill(os.getpid(), signal.SIGKILL)
-    return batch
 
-
-def save_fault(spec: str, rank: int) -> Callable[[int], None] | None:
-    """The Checkpointer hook for "RANK:STEP:kill_saving": that rank dies by SIGKILL once every
-    rank has written its shards of STEP's checkpoint and before the marker makes it complete,
-    as when a grace period runs out mid-save."""
-    if not spec.endswith(":kill_saving"):
-        return None
-
-    def hook(step: int) -> None:
-        if _hit(spec, rank, step) == "kill_saving":
+    def before_checkpoint_marker(self, step: int) -> None:
+        """"RANK:STEP:kill_saving": that rank dies by SIGKILL once every rank has written its shards of
+        STEP's checkpoint and before the marker makes it complete, as when a grace period runs out
+        mid-save."""
+        if _hit(self.spec, self.rank, step) == "kill_saving":
             os.kill(os.getpid(), signal.SIGKILL)
 
-    return hook
-
-
-def resync_fault(spec: str, rank: int, step: int, weights: Iterable) -> Iterable:
-    """"RANK:STEP:stale_resync": that rank's resync at STEP (the one after STEP's update, or the
-    resume's when the run resumes from STEP) leaves out its first tensor, so the engine keeps a stale
-    copy of it, as a broken resync would."""
-    if _hit(spec, rank, step) != "stale_resync":
-        return weights
-    stream = iter(weights)
-    next(stream, None)
-    return stream
+    def on_weights(self, step: int, weights: Iterable) -> Iterable:
+        """"RANK:STEP:stale_resync": that rank's resync at STEP (the one after STEP's update, or the
+        resume's when the run resumes from STEP) leaves out its first tensor, so the engine keeps a
+        stale copy of it, as a broken resync would."""
+        if _hit(self.spec, self.rank, step) != "stale_resync":
+            return weights
+        stream = iter(weights)
+        next(stream, None)
+        return stream

@@ -1,0 +1,137 @@
+"""The rollout side of a rank as one component: the engine, the rank's data shard and the task's
+workers, driven through `collect`, `evaluate`, `load_weights` and `sleep`.
+
+A rank that only generates (the asynchronous roles) runs this without distflow.train: it takes
+token ids and weights in, and hands out groups of samples with their pending rewards. Generation
+is one blocking engine call per round (per turn with episodes); with dynamic sampling (DAPO)
+groups are scored at once, those whose rewards are all equal are dropped, and every rank keeps
+generating until the GLOBAL number of kept groups reaches the target or the round limit is hit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Iterable
+
+import torch
+
+from distflow.algorithms import dynamic_sampling_keep
+from distflow.config import DistflowConfig
+from distflow.distributed import DistInfo, all_reduce
+from distflow.rollout.balance import balance_groups
+from distflow.rollout.engines import build_engine
+from distflow.rollout.episodes import EpisodeRunner, SingleTurn
+from distflow.rollout.evaluation import evaluate
+from distflow.rollout.groups import Rollouts
+from distflow.rollout.scoring import score_groups
+from distflow.seeds import derive_seed
+from distflow.tasks import ShardedSampler
+
+log = logging.getLogger("distflow")
+
+
+class Rollout:
+    def __init__(self, cfg: DistflowConfig, dist: DistInfo, task, tokenizer, model_path: str, engine_group, timer):
+        """`task`: the run's Task (rows, workers, environment); `engine_group`: this rank's tensor-parallel
+        group (ParallelLayout.engine_group); `timer`: the step's PhaseTimer. Builds the engine: every
+        rank together (vLLM runs a collective)."""
+        self.cfg, self.dist, self.task, self.tokenizer, self.timer = cfg, dist, task, tokenizer, timer
+        r = cfg.run
+        self.items = task.rows("train")
+        self.heldout = task.rows("heldout") if cfg.validation.wanted else []
+        self.sampler = ShardedSampler(len(self.items), dist.rank, dist.world_size, r.seed, cfg.data.shuffle)
+        self.scoring_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distflow-scoring")
+        self.engine = None
+        self.model_path, self.engine_group = model_path, engine_group
+        self.version = 0  # the policy version the engine holds: optimizer steps it has seen
+
+    def start_engine(self) -> None:
+        """Load the engine (a phase of its own: it is most of the start-up's memory and time)."""
+        cfg = self.cfg
+        with self.timer.phase("startup:engine"):
+            self.engine = build_engine(self.model_path, cfg.model, cfg.rollout, self.dist.device, cfg.run.seed,
+                                       self.engine_group)
+        # single-turn generation, or multi-turn episodes with the task's environment
+        self.runner = EpisodeRunner(self.engine, self.task.workers, self.tokenizer, cfg.rollout,
+                                    lockstep=cfg.rollout.tensor_parallel_size > 1) \
+            if self.task.env is not None else SingleTurn(self.engine)
+
+    # ----------------------------------------------------------------- generation
+    def collect(self, step: int) -> tuple[Rollouts, Future]:
+        """Generate this step's groups, balance them across ranks, and start scoring; returns the
+        rollouts and the pending rewards ([groups, G])."""
+        a, per_rank, phase = self.cfg.algorithm, self.cfg.data.prompts_per_rank, self.timer.phase
+        kept = Rollouts(a.group_size)
+        for _ in range(a.max_sampling_rounds if a.dynamic_sampling else 1):
+            with phase("generate"):
+                part = self.generate(step, per_rank)
+            kept.stats.rounds += 1
+            kept.stats.generated_groups += len(part.items)
+            if not a.dynamic_sampling:
+                kept = dataclasses.replace(part, stats=kept.stats)
+                break
+            with phase("reward"):
+                part.rewards = self.score(part)
+            kept.keep_groups(part, dynamic_sampling_keep(part.rewards))
+            if int(all_reduce(len(kept.items))) >= per_rank * self.dist.world_size:
+                break
+        if a.dynamic_sampling and kept.rewards is None:
+            kept.rewards = torch.zeros((0, a.group_size))
+        if self.cfg.run.balance_lengths:  # the update waits for the rank with the most tokens
+            with phase("balance"):
+                moved, kept.stats.balance = balance_groups(kept.groups(), kept.token_costs(), self.dist.device)
+                kept.set_groups(moved)
+        pending: Future = Future()
+        if kept.rewards is not None:
+            pending.set_result(kept.rewards)
+        else:  # scored in the task's worker processes while the trainer computes logprobs
+            pending = self.scoring_thread.submit(self.score, kept)
+        return kept, pending
+
+    def generate(self, step: int, n_prompts: int) -> Rollouts:
+        idx = self.sampler.next_indices(n_prompts)
+        items = [self.items[i] for i in idx]
+        # the sampler's position makes seeds unique across rounds and steps
+        pos = self.sampler.state_dict()
+        seeds = [derive_seed(self.cfg.run.seed, pos["epoch"], pos["offset"], self.dist.rank, i) for i in idx]
+        log.debug(f"step {step} items (epoch, index): {json.dumps(self.sampler.last_positions)}")
+        groups = self.runner.run(items, self.cfg.algorithm.group_size, seeds)
+        return Rollouts(self.cfg.algorithm.group_size, items, [s for g in groups for s in g])
+
+    def score(self, rollouts: Rollouts) -> torch.Tensor:
+        rewards, failures = score_groups(self.task.workers, self.tokenizer, rollouts.items, rollouts.samples,
+                                         self.cfg.algorithm.group_size)
+        rollouts.stats.add_failures(failures)
+        return rewards
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out greedy pass@1 (and sampled pass@k), sharded over all ranks (a collective)."""
+        with self.timer.phase("validate"):
+            return evaluate(self.runner, self.task.workers, self.tokenizer, self.heldout, self.dist,
+                            self.cfg.validation.pass_k, seed=self.cfg.run.seed)
+
+    # ----------------------------------------------------------------- the engine's weights
+    def prompt_logprobs(self, seqs: list[list[int]]) -> list[list[float]]:
+        return self.engine.prompt_logprobs(seqs)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Replace the engine's weights from a stream of (HF name, full tensor); wakes it."""
+        self.engine.load_weights(weights)
+        self.version = version
+
+    def load_adapter(self, tensors: dict[str, torch.Tensor], config, version: int) -> None:
+        """A LoRA policy's adapters only (model.lora.resync=adapter); wakes the engine."""
+        self.engine.load_adapter(tensors, config)
+        self.version = version
+
+    def sleep(self) -> None:
+        """Free what the engine can for the update; the next load_weights/load_adapter wakes it."""
+        self.engine.sleep()
+
+    def close(self) -> None:
+        self.scoring_thread.shutdown(wait=True)
+        if self.engine is not None:
+            self.engine.shutdown()

@@ -1,0 +1,111 @@
+"""The learner: everything that trains, as one component the trainer drives.
+
+It holds the policy, the frozen reference (only with KL on), the critic (only for estimators
+that need values) and the updater, and turns a step's samples and rewards into an optimizer
+step: batch -> plan -> logprobs -> advantages -> update. It also hands out what the engine must
+load after an update (the weight stream, or a LoRA policy's adapters). Nothing here knows about engines, tasks or the run folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from typing import Callable, ContextManager, Iterator
+
+import torch
+
+from distflow.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs
+from distflow.config import DistflowConfig
+from distflow.distributed import all_reduce
+from distflow.distributed.layout import ParallelLayout
+from distflow.sample import Sample
+from distflow.train.batch import CURRENT_POLICY, OldLogprobs, UpdateBatch
+from distflow.train.critic import Critic
+from distflow.train.lora import adapter_tensors
+from distflow.train.policy import Policy
+from distflow.train.shaping import shape_rewards
+from distflow.train.update import StepPlan, Updater, UpdateResult
+from distflow.train.weight_stream import full_parameters
+
+log = logging.getLogger("distflow")
+
+
+@dataclasses.dataclass(frozen=True)
+class Logprobs:
+    """The forward passes before the update: old (sampling-time) and reference logprobs, values."""
+
+    old: OldLogprobs
+    ref: torch.Tensor | None
+    values: torch.Tensor | None
+
+
+class Learner:
+    def __init__(self, cfg: DistflowConfig, layout: ParallelLayout, model_path: str, critic_path: str, pad_id: int,
+                 phase: Callable[[str], ContextManager] = lambda name: contextlib.nullcontext()):
+        """`phase`: the start-up's phase clock (PhaseTimer.phase), around each model's load."""
+        a = cfg.algorithm
+        self.cfg, self.pad_id = cfg, pad_id
+        self.updater = Updater(cfg, pad_id)  # plans each batch's passes once, runs them
+        with phase("startup:policy"):
+            self.policy = Policy(model_path, cfg.model, cfg.optim, layout)
+            # The frozen reference exists only when KL is on: beta = 0 costs nothing. With LoRA it is
+            # the policy with its adapters off.
+            self.reference = None if a.kl_coef <= 0 else self.policy.base() if self.policy.lora \
+                else Policy(model_path, cfg.model, cfg.optim, layout, trainable=False)
+        # The critic exists only for estimators that need values (PPO's GAE).
+        with phase("startup:critic"):
+            self.critic = Critic(critic_path, cfg.critic, cfg.model, cfg.optim, layout) if cfg.has_critic else None
+        self.estimator = ADVANTAGE_ESTIMATORS[a.advantage]
+
+    @property
+    def device(self) -> torch.device:
+        return self.policy.device
+
+    def batch(self, samples: list[Sample]) -> UpdateBatch:
+        """The step's one padded batch (micro-batches are row selections of it)."""
+        return UpdateBatch.from_samples(samples, self.pad_id, self.policy.device, self.cfg.algorithm.overlong_filter)
+
+    def plan(self, batch: UpdateBatch) -> StepPlan:
+        return self.updater.plan(batch.tokens)
+
+    def logprobs(self, plan: StepPlan) -> Logprobs:
+        a, o, u = self.cfg.algorithm, self.cfg.optim, self.updater
+        # With one optimizer step per rollout the policy that sampled is the one being trained.
+        needs_old = a.ppo_epochs > 1 or o.mini_batches > 1 or (a.kl_coef > 0 and a.kl_in_reward)
+        old = u.logprobs(self.policy, plan) if needs_old else CURRENT_POLICY
+        ref = u.logprobs(self.reference, plan) if self.reference else None
+        values = u.values(self.critic, plan) if self.critic else None
+        return Logprobs(old, ref, values)
+
+    def advantages(self, batch: UpdateBatch, rewards: torch.Tensor, lp: Logprobs) -> UpdateBatch:
+        old = lp.old if lp.old is not CURRENT_POLICY else None
+        scores, token_rewards = shape_rewards(rewards, batch.tokens, self.cfg.algorithm,
+                                              self.cfg.rollout.response_budget(), old, lp.ref)
+        inputs = AdvantageInputs(scores, token_rewards, batch.tokens.resp_mask, lp.values)  # all on the device
+        advantages, returns = self.estimator(inputs, self.cfg.algorithm, lambda v: all_reduce(v).tolist())
+        return batch.with_(advantages=advantages, old_logprobs=lp.old, ref_logprobs=lp.ref, values=lp.values,
+                           returns=returns)
+
+    def update(self, batch: UpdateBatch, plan: StepPlan, step: int) -> UpdateResult:
+        """The optimizer steps over `plan`; none if no group is left anywhere, the critic's alone in its warm-up."""
+        if int(all_reduce(len(batch))) == 0:
+            log.info(f"step {step}: every group was filtered out; update skipped")
+            return UpdateResult(skipped=True)
+        train_actor = self.critic is None or step > self.cfg.critic.warmup_steps
+        return self.updater.optimize(self.policy if train_actor else None, self.critic, batch, plan)
+
+    @property
+    def sends_adapter(self) -> bool:
+        """A LoRA policy with model.lora.resync=adapter sends its adapters, not merged weights."""
+        return self.policy.lora and self.cfg.model.lora.resync == "adapter"
+
+    def adapter(self) -> tuple[dict[str, torch.Tensor], object]:
+        """(PEFT-named adapter tensors, PEFT config): what an engine loads as a LoRA adapter."""
+        return adapter_tensors(self.policy.model), self.policy.adapter_config
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy's full weights (a LoRA policy's merged) in the engine's dtype, bucket by bucket
+        (a collective: every rank consumes the whole stream)."""
+        bucket = self.cfg.rollout.sync_bucket_mib << 20
+        return full_parameters(self.policy.model, getattr(torch, self.cfg.model.dtype), bucket)
