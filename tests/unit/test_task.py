@@ -123,3 +123,19 @@ def test_close_stops_the_workers(config, tokenizer):
     task.close()
     assert all(p.poll() is not None for p in procs)
     task.close()  # twice is harmless
+
+
+@pytest.mark.parametrize("old,new", [
+    ("distflow.rewards.numeric:numeric_match", "distflow.tasks.rewards.numeric:numeric_match"),
+    ("distflow.rewards.builtin:gsm8k_reward", "distflow.tasks.rewards.builtin:gsm8k_reward"),
+])
+def test_a_reward_spelled_with_its_old_module_still_resolves(old, new):
+    from distflow.tasks.rewards import load_reward
+
+    assert load_reward(old) is load_reward(new)
+
+
+def test_an_environment_spelled_with_its_old_module_still_builds():
+    from distflow.tasks.envs import load_env_class
+
+    assert load_env_class("distflow.envs:ToolEnv") is ToolEnv
