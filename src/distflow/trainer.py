@@ -18,10 +18,10 @@ import logging
 import time
 from pathlib import Path
 
-from distflow.checkpoint.checkpointer import POLICY, Checkpointer, ModelOptimState, RNGState
+from distflow.checkpoint.checkpointer import POLICY, Checkpointer, RNGState
 from distflow.checkpoint.export import export_live
 from distflow.config import DistflowConfig
-from distflow.distributed import barrier, shutdown, waited_s
+from distflow.distributed import shutdown, waited_s
 from distflow.errors import RunAborted
 from distflow.metrics.loggers import MetricLogger
 from distflow.metrics.report import StepRecord, StragglerWatch, run_summary, step_report
@@ -29,7 +29,7 @@ from distflow.metrics.timer import PhaseTimer
 from distflow.probe import EngineProbe
 from distflow.rollout import Rollout, Validator
 from distflow.run.faults import FaultInjector
-from distflow.run.preemption import StepBoundary, Stopped, StopSignal, write_stop_file
+from distflow.run.preemption import StepBoundary, Stopped, StopSignal
 from distflow.startup import start_run
 from distflow.tasks import Task
 from distflow.train.learner import Learner
@@ -42,7 +42,6 @@ class Trainer:
         # From start_run on SIGTERM/SIGUSR1 only set a flag: the run saves and stops after its next step
         # (also when the signal comes during start-up, so a requeued job is requeued again).
         self.stop_signal = StopSignal()
-        self.stopped: Stopped | None = None
         self.run = run = start_run(cfg, self.stop_signal)  # may stop here (a config error, a finished run)
         self.cfg = cfg = run.cfg
         self.dist, self.run_dir = run.dist, run.run_dir
@@ -128,7 +127,8 @@ class Trainer:
         if self.learner.sends_adapter:
             self.rollout.load_adapter(*self.learner.adapter(), version=self.step)
         else:
-            self.rollout.load_weights(self.timer.passed("on_weights", self.step, self.learner.weights()), version=self.step)
+            weights = self.timer.passed("on_weights", self.step, self.learner.weights())
+            self.rollout.load_weights(weights, version=self.step)
 
     # ----------------------------------------------------------------- step boundary
     def end_step(self) -> bool:
@@ -140,7 +140,7 @@ class Trainer:
             self.boundary.saved()
             self.timer.notify("on_checkpoint", self.step, path)
         if halt:
-            self.report_stop(path)
+            self.boundary.stop(self.step, path, self.stop_signal, self.dist.is_main)
         return halt
 
     def stop_at_start(self) -> bool:
@@ -148,17 +148,13 @@ class Trainer:
         this launch resumed from (if any)."""
         if not self.boundary.signalled(self.stop_signal):
             return False
-        self.report_stop(self.run.resume.checkpoint)
+        self.boundary.stop(self.step, self.run.resume.checkpoint, self.stop_signal, self.dist.is_main)
         return True
 
-    def report_stop(self, checkpoint: str | None) -> None:
-        self.stopped = Stopped(self.step, checkpoint, self.stop_signal.name or "a signal to another rank")
-        where = f"with checkpoint {checkpoint}" if checkpoint else "with no checkpoint (nothing trained yet)"
-        log.warning(f"{self.stopped.signal}: stopped after step {self.step} {where}; "
-                    "relaunch with the same run.output_dir to resume")
-        if self.dist.is_main:
-            write_stop_file(self.stopped)
-        barrier()  # no rank exits before the launcher can read where the run stopped
+    @property
+    def stopped(self) -> Stopped | None:
+        """Where a signal stopped the run (the recipe exits with EXIT_STOPPED); None: it did not."""
+        return self.boundary.stopped if hasattr(self, "boundary") else None
 
     def check_finite_streak(self) -> None:
         """Stop after run.max_nonfinite_steps consecutive steps whose update was dropped."""
@@ -170,12 +166,9 @@ class Trainer:
     def register_state(self) -> None:
         """Everything a resume restores, named once."""
         ck, policy, critic = self.checkpointer, self.learner.policy, self.learner.critic
-        # a LoRA policy's checkpoint is its adapters and their optimizer: model.path holds the base
-        ck.register(POLICY, ModelOptimState(policy.model, policy.optimizer, trainable_only=policy.lora), "sharded")
-        ck.register("policy_schedule", policy.scheduler, "shared")
+        ck.register_model(POLICY, policy.model, policy.optimizer, policy.scheduler, trainable_only=policy.lora)
         if critic is not None:
-            ck.register("critic", ModelOptimState(critic.model, critic.optimizer), "sharded")
-            ck.register("critic_schedule", critic.scheduler, "shared")
+            ck.register_model("critic", critic.model, critic.optimizer, critic.scheduler)
         ck.register("sampler", self.rollout.sampler, "rank")
         ck.register("rng", RNGState(self.dist.device, self.cfg.run.seed), "rank")
         ck.register("trainer", self, "shared")

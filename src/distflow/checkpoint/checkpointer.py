@@ -218,6 +218,12 @@ class Checkpointer:
             raise ValueError(f"checkpoint state {name!r} is registered twice")
         self.registry[name] = (scope, state)
 
+    def register_model(self, name: str, model, optimizer, scheduler, trainable_only: bool = False) -> None:
+        """A trained model: its shards with their optimizer state under `name` (trainable_only: a LoRA
+        policy's adapters alone, model.path holds the base), its LR schedule under `<name>_schedule`."""
+        self.register(name, ModelOptimState(model, optimizer, trainable_only=trainable_only), "sharded")
+        self.register(f"{name}_schedule", scheduler, "shared")
+
     def _scope(self, scope: str) -> dict[str, Stateful]:
         return {name: state for name, (s, state) in self.registry.items() if s == scope}
 

@@ -1,4 +1,5 @@
-"""The PEFT adapter folder (`write_adapter_folder`: what PEFT and vLLM load), and where a vLLM engine reads the LoRA adapter from after every update (vLLM 0.32 loads adapters
+"""The PEFT adapter folder (`write_adapter_folder`: what PEFT and vLLM load), and where a vLLM
+engine reads the LoRA adapter from after every update (vLLM 0.32 loads adapters
 from folders only): a folder in RAM (/dev/shm) while that has room, else one on disk.
 
 The adapter is written in the engine's dtype (a bf16 engine gets half the bytes of the float32

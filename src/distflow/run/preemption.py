@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import signal
 import time
 
 import torch.distributed as dist
 
-from distflow.distributed import all_reduce, rank_and_world, waiting
+from distflow.distributed import all_reduce, barrier, rank_and_world, waiting
 from distflow.errors import RunAborted
 from distflow.run.output import pending_write_failure
+
+log = logging.getLogger("distflow")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 STOP_FILE_ENV = "DISTFLOW_STOP_FILE"  # rank 0 writes {"step", "checkpoint", "signal"} there when it stops
@@ -65,11 +68,13 @@ class StopSignal:
 
 
 class StepBoundary:
-    """What all ranks do after a step: save (interval, clock, end, signal) and whether they stop."""
+    """What all ranks do after a step: save (interval, clock, end, signal) and whether they stop;
+    `stop` reports where they stopped."""
 
     def __init__(self, every_steps: int, every_s: float, at_end: bool):
         self.every_steps, self.every_s, self.at_end = every_steps, every_s, at_end
         self.last_save = time.monotonic()
+        self.stopped: Stopped | None = None
 
     def decide(self, step: int, last: bool, stop: StopSignal) -> tuple[bool, bool]:
         """(save, stop), the same on every rank: one all_reduce(max) of [signalled, seconds since
@@ -91,6 +96,17 @@ class StepBoundary:
 
     def saved(self) -> None:
         self.last_save = time.monotonic()
+
+    def stop(self, step: int, checkpoint: str | None, stop: StopSignal, is_main: bool) -> None:
+        """Every rank says where the run stopped; rank 0 writes the stop file for the launcher, and no
+        rank exits before it can be read."""
+        self.stopped = Stopped(step, checkpoint, stop.name or "a signal to another rank")
+        where = f"with checkpoint {checkpoint}" if checkpoint else "with no checkpoint (nothing trained yet)"
+        log.warning(f"{self.stopped.signal}: stopped after step {step} {where}; "
+                    "relaunch with the same run.output_dir to resume")
+        if is_main:
+            write_stop_file(self.stopped)
+        barrier()
 
 
 def _failed_write() -> float:
