@@ -25,6 +25,11 @@ class RunAborted(RuntimeError):
     """The run cannot go on (non-finite losses for too many steps, a full disk): one line, exit 1."""
 
 
+class CheckpointSaveError(RunAborted):
+    """A save failed on some rank (a full disk, a file over its size limit): every rank raises it,
+    with the same line (exit 1), and the previous checkpoint stays the latest."""
+
+
 class RunComplete(Exception):
     """The folder holds this run, already finished: nothing to train (exit 0)."""
 

@@ -18,13 +18,12 @@ import logging
 import time
 from pathlib import Path
 
-from distflow.checkpoint.checkpointer import POLICY, Checkpointer, RNGState
+from distflow.checkpoint.checkpointer import POLICY, Checkpointer
 from distflow.checkpoint.export import export_live
 from distflow.config import DistflowConfig
 from distflow.distributed import shutdown, waited_s
 from distflow.errors import RunAborted
-from distflow.metrics.loggers import MetricLogger
-from distflow.metrics.report import StepRecord, StragglerWatch, run_summary, step_report
+from distflow.metrics.report import Reporter, StepRecord
 from distflow.metrics.timer import PhaseTimer
 from distflow.probe import EngineProbe
 from distflow.rollout import Rollout, Validator
@@ -65,11 +64,10 @@ class Trainer:
             self.checkpointer.before_marker = lambda step: self.timer.notify("before_checkpoint_marker", step)
             self.register_state()
             self.resume()
-        self.logger = MetricLogger(self.run_dir, self.dist.is_main, cfg.run.steps, cfg.logging, run.record(),
-                                   resumed_step=self.step)
+        self.reporter = Reporter(cfg, self.run_dir, self.dist.is_main, self.dist.world_size, run.record(),
+                                 resumed_step=self.step)
         c = cfg.checkpoint
         self.boundary = StepBoundary(c.every, c.every_s, c.at_end)
-        self.stragglers = StragglerWatch(cfg.logging.straggler_warn_steps)
 
     # ----------------------------------------------------------------- the loop
     def train(self) -> None:
@@ -85,10 +83,8 @@ class Trainer:
             metrics = self.train_step()
             metrics.update(self.validator.after_step(self.step))
             self.last_metrics = metrics
-            self.logger.log(metrics)
+            self.reporter.log(self.step, metrics)
             self.timer.notify("on_step_end", self.step, metrics)
-            if note := self.stragglers.observe(metrics):
-                log.warning(f"step {self.step}: {note}")
             self.check_finite_streak()
             if self.end_step():
                 return
@@ -119,7 +115,7 @@ class Trainer:
         timing["step"] = time.perf_counter() - t0
         timing["wait"] = waited_s() - waited0  # blocked in distflow's collectives, waiting for peers
         record = StepRecord(self.step, rollouts, rewards, result, timing, self.learner.policy.lr, probe)
-        return step_report(self.cfg, record)
+        return self.reporter.metrics(record)
 
     # ----------------------------------------------------------------- weights
     def sync_weights(self) -> None:
@@ -170,7 +166,7 @@ class Trainer:
         if critic is not None:
             ck.register_model("critic", critic.model, critic.optimizer, critic.scheduler)
         ck.register("sampler", self.rollout.sampler, "rank")
-        ck.register("rng", RNGState(self.dist.device, self.cfg.run.seed), "rank")
+        ck.register_rng(self.dist.device, self.cfg.run.seed)
         ck.register("trainer", self, "shared")
 
     def state_dict(self) -> dict:
@@ -197,14 +193,13 @@ class Trainer:
             policy = self.learner.policy
             export_live(policy.model, self.run.plan.model_path, str(self.run_dir.hf_model), self.dist.is_main,
                         policy.adapter_config, str(self.run_dir.adapter))
-        summary = run_summary(self.step, wall_s, self.dist.world_size, self.validator.evaluations, self.last_metrics)
-        self.logger.finish(summary, plots=self.cfg.logging.plot_at_end)
+        self.reporter.finish(self.step, wall_s, self.validator.evaluations, self.last_metrics)
         self.timer.notify("on_run_end", self)
 
     def close(self) -> None:
         self.stop_signal.uninstall()
-        if hasattr(self, "logger"):
-            self.logger.close()
+        if hasattr(self, "reporter"):
+            self.reporter.close()
         if hasattr(self, "rollout"):
             self.rollout.close()
         if hasattr(self, "task"):

@@ -24,12 +24,12 @@ from distflow.checkpoint.checkpointer import (
     MARKER,
     POLICY,
     Checkpointer,
-    CheckpointSaveError,
     ModelOptimState,
     is_complete,
     latest_checkpoint,
 )
 from distflow.distributed.layout import ParallelLayout
+from distflow.errors import CheckpointSaveError
 from distflow.train.policy import Policy
 
 class _Counter:

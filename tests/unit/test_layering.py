@@ -69,3 +69,15 @@ def test_no_circle_between_wings():
 def test_no_module_is_over_the_limit():
     long = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert not long, long
+
+
+def test_a_task_worker_imports_neither_torch_nor_datasets():
+    """Reward and environment workers are fresh interpreters, several per rank, started while the models
+    load: what their entry point imports is start-up CPU time every rank pays."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from distflow.tasks.rewards.pool import _worker_main; "
+             "from distflow.tasks.envs import build_env; print(sorted({'torch', 'datasets'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

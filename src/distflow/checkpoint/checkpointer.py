@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from distflow.config import ConfigError
 from distflow.distributed import all_reduce, rank_and_world
 from distflow.checkpoint.reader import is_count, is_plain_name, load_checkpoint
-from distflow.errors import RunAborted, free_space
+from distflow.errors import CheckpointSaveError, free_space
 from distflow.seeds import derive_seed
 
 log = logging.getLogger("distflow")
@@ -183,11 +183,6 @@ def _marker(path: Path) -> dict | None:
     return info
 
 
-class CheckpointSaveError(RunAborted):
-    """A save failed on some rank (a full disk, a file over its size limit): every rank raises it,
-    with the same line (exit 1), and the previous checkpoint stays the latest."""
-
-
 def _attempt(write: Callable[[], None]) -> OSError | None:
     """Run `write`; the OSError it met (DCP hands every rank a failure of any rank), else None."""
     try:
@@ -223,6 +218,10 @@ class Checkpointer:
         policy's adapters alone, model.path holds the base), its LR schedule under `<name>_schedule`."""
         self.register(name, ModelOptimState(model, optimizer, trainable_only=trainable_only), "sharded")
         self.register(f"{name}_schedule", scheduler, "shared")
+
+    def register_rng(self, device: torch.device, seed: int) -> None:
+        """Every RNG of this rank (RNGState), under "rng"."""
+        self.register("rng", RNGState(device, seed), "rank")
 
     def _scope(self, scope: str) -> dict[str, Stateful]:
         return {name: state for name, (s, state) in self.registry.items() if s == scope}

@@ -9,6 +9,7 @@ critic, ...). The trainer never names a metric key.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, fields
 
 import torch
@@ -19,9 +20,11 @@ from distflow.distributed import rank_and_world
 from distflow.rollout.episodes import episode_sums
 from distflow.rollout.groups import Rollouts
 from distflow.rollout.scoring import REWARD_FAILURES
-from distflow.metrics.loggers import reduce_step_metrics
-from distflow.sample import Sample
+from distflow.metrics.loggers import MetricLogger, reduce_step_metrics
+from distflow.run.rundir import RunDir
 from distflow.train.update import UpdateResult
+
+log = logging.getLogger("distflow")
 
 
 @dataclass(frozen=True)
@@ -204,3 +207,31 @@ def run_summary(steps: int, wall_s: float, world_size: int, evaluations: dict[st
     if last_metrics:
         summary["final_reward_mean"] = last_metrics["reward/mean"]
     return summary
+
+
+class Reporter:
+    """The run's metrics as one component: each step's record turned into metric keys (a collective),
+    logged by rank 0, a lagging rank named, and the run's summary at the end."""
+
+    def __init__(self, cfg: DistflowConfig, run_dir: RunDir, is_main: bool, world_size: int, record: dict,
+                 resumed_step: int = 0):
+        """`record`: the config record the loggers keep (W&B's run config)."""
+        self.cfg, self.world_size = cfg, world_size
+        self.logger = MetricLogger(run_dir, is_main, cfg.run.steps, cfg.logging, record, resumed_step=resumed_step)
+        self.stragglers = StragglerWatch(cfg.logging.straggler_warn_steps)
+
+    def metrics(self, record: StepRecord) -> dict[str, float]:
+        return step_report(self.cfg, record)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.logger.log(metrics)
+        if note := self.stragglers.observe(metrics):
+            log.warning(f"step {step}: {note}")
+
+    def finish(self, step: int, wall_s: float, evaluations: dict[str, dict], last_metrics: dict) -> None:
+        """summary.json and the plots."""
+        summary = run_summary(step, wall_s, self.world_size, evaluations, last_metrics)
+        self.logger.finish(summary, plots=self.cfg.logging.plot_at_end)
+
+    def close(self) -> None:
+        self.logger.close()

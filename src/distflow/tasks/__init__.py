@@ -1,10 +1,25 @@
-"""Tasks: the prompts of each split and how they render, the reward that scores completions, and
-the environment that answers a multi-turn episode's turns (rewards/, envs/), gathered in one
-object, Task (task.py), with the worker processes that run them."""
+"""Tasks: a task is one object (`Task`) that owns its rows per split and how they render, the reward
+that scores completions, the environment that answers a multi-turn episode's turns (rewards/,
+envs/), and the worker processes that run this user code under deadlines.
 
-from distflow.tasks.gym import gym_reward, gym_rows
-from distflow.tasks.prompts import PromptItem, load_prompts
-from distflow.tasks.sampler import ShardedSampler
-from distflow.tasks.task import Task
+The names below load on first use: reward and environment workers are fresh interpreters that
+import `distflow.tasks.rewards` and must not pay for torch and datasets, which the rows need.
+"""
 
-__all__ = ["PromptItem", "ShardedSampler", "Task", "gym_reward", "gym_rows", "load_prompts"]
+from importlib import import_module
+
+_EXPORTS = {
+    "PromptItem": "distflow.tasks.prompts",
+    "load_prompts": "distflow.tasks.prompts",
+    "ShardedSampler": "distflow.tasks.sampler",
+    "Task": "distflow.tasks.task",
+    "gym_reward": "distflow.tasks.gym",
+    "gym_rows": "distflow.tasks.gym",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name]), name)
