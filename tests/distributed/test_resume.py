@@ -4,6 +4,7 @@ output folder (distflow.run.resume). Real gloo ranks, real FSDP2 models, real DC
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -160,6 +161,33 @@ def test_a_fresh_start_sets_an_earlier_run_aside(tmp_path):
     assert plan.checkpoint is None and (Path(plan.set_aside) / "checkpoints" / "step_000003").is_dir()
     assert len(list((tmp_path / "previous").iterdir())) == 2
     assert plan_resume(_cfg(tmp_path / "empty")) == type(plan)()  # an empty folder: a plain fresh start
+
+
+def test_a_torn_newest_checkpoint_is_named_with_its_defect_and_the_steps_it_costs(tmp_path):
+    cfg = _cfg(tmp_path, steps=8)
+    older = _fake_checkpoint(tmp_path, 2, cfg)
+    newest = Path(tmp_path) / "checkpoints" / "step_000006"
+    shutil.copytree(older, newest)
+    marker = json.loads((newest / "COMPLETE").read_text())
+    (newest / "COMPLETE").write_text(json.dumps({**marker, "step": 6}))
+    (newest / "rank_0.json").write_text("{")  # truncated: 1 byte where the marker says 2
+    plan = plan_resume(cfg)
+    assert plan.checkpoint == str(older)
+    assert plan.warnings == (f"skipping checkpoint {newest} (step 6): {newest / 'rank_0.json'} is 1 bytes, the marker "
+                             "says 2", f"resuming from {older} (step 2): 4 steps will be computed again")
+    # force over a folder whose only checkpoint is torn: stop, naming it and its defect
+    shutil.rmtree(older)
+    (newest / "COMPLETE").unlink()
+    with pytest.raises(ConfigError, match=rf"^checkpoint.resume=force: no complete checkpoint in .*; the newest, "
+                                          rf"{newest}, cannot be loaded: it has no COMPLETE marker"):
+        plan_resume(_cfg(tmp_path, steps=8, resume="force"))
+    assert newest.is_dir()  # nothing moved
+    # auto: a fresh start, after a line that says so (the torn folder goes aside with the earlier run's files)
+    plan = plan_resume(cfg)
+    assert plan.checkpoint is None and plan.warnings[:2] == (
+        f"skipping checkpoint {newest} (step 6): it has no COMPLETE marker (its save did not finish)",
+        "no complete checkpoint to continue: starting a fresh run at step 1")
+    assert (Path(plan.set_aside) / "checkpoints" / "step_000006").is_dir()
 
 
 def test_a_restarted_attempt_continues_even_under_never(tmp_path):

@@ -181,12 +181,30 @@ def test_the_record_builds_the_config_back_and_hydra_sees_every_key():
 
 
 def test_unknown_keys_name_the_key():
-    with pytest.raises(ConfigError, match="^unknown config key rollout.engin "):
+    with pytest.raises(ConfigError, match=r"^unknown config key rollout.engin\b"):
         DistflowConfig.from_dict({"rollout": {"engin": "hf"}})
-    with pytest.raises(ConfigError, match="^unknown config key model.lora.rnk "):
+    with pytest.raises(ConfigError, match=r"^unknown config key model.lora.rnk\b"):
         DistflowConfig.from_dict({"model": {"lora": {"rnk": 4}}})
     with pytest.raises(ConfigError, match="^model.lora is a section of keys"):
         DistflowConfig.from_dict({"model": {"lora": 4}})
+
+
+
+@pytest.mark.parametrize("tree,line", [
+    # under a section that does not exist, the key the user wrote, not the section
+    ({"trainer": {"bogus_key": 1}}, "unknown config key trainer.bogus_key; trainer.* keys are now under checkpoint, "
+                                    "logging, run, validation (docs/configuration.md lists every key)"),
+    ({"trainer": {"steps": 3}}, "unknown config key trainer.steps; did you mean run.steps? "),  # the same leaf
+    ({"trainer": {"stpes": 3}}, "unknown config key trainer.stpes; did you mean run.steps? "),  # and misspelt
+    ({"run": {"outptu_dir": "x"}}, "unknown config key run.outptu_dir; did you mean run.output_dir? "),
+    ({"model": {"lora": {"rnk": 4}}}, "unknown config key model.lora.rnk; did you mean model.lora.rank? "),
+    ({"run": {"bogus": 1}}, "unknown config key run.bogus (docs/configuration.md lists every key)"),  # nothing near
+    ({"nosuch": {"a": {"b": 1}}}, "unknown config key nosuch.a.b (docs/configuration.md lists every key)"),
+])
+def test_an_unknown_key_is_named_as_written_with_the_closest_real_one(tree, line):
+    with pytest.raises(ConfigError) as e:
+        DistflowConfig.from_dict(tree)
+    assert str(e.value).startswith(line), str(e.value)
 
 
 def test_every_field_has_a_doc():

@@ -132,34 +132,42 @@ def _step_of(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def latest_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint in the checkpoints folder `root`, warning about torn ones."""
+def latest_checkpoint(root: Path, skipped: list[tuple[Path, int, str]] | None = None) -> Path | None:
+    """The newest complete checkpoint in the checkpoints folder `root`. Every torn one newer than it
+    is appended to `skipped` as (folder, step, its defect), newest first, for the run to report."""
     if not root.is_dir():
         return None
-    best: tuple[int, Path] | None = None
-    for path in root.iterdir():
-        step = _step_of(path)
-        if step is None:
-            continue
-        if not is_complete(path):
-            log.warning("skipping incomplete checkpoint %s (no valid %s marker, or a missing or truncated file)",
-                        path, MARKER)
-            continue
-        if best is None or step > best[0]:
-            best = (step, path)
-    return best[1] if best else None
+    steps = sorted(((step, path) for path in root.iterdir() if (step := _step_of(path)) is not None), reverse=True)
+    for step, path in steps:
+        defect = checkpoint_defect(path)
+        if defect is None:
+            return path
+        log.warning("skipping incomplete checkpoint %s: %s", path, defect)
+        if skipped is not None:
+            skipped.append((path, step, defect))
+    return None
 
 
 def is_complete(path: Path) -> bool:
     """A well-formed marker, and every file it lists at the size it lists (a truncated or missing
     shard is as bad as a missing marker)."""
+    return checkpoint_defect(path) is None
+
+
+def checkpoint_defect(path: Path) -> str | None:
+    """Why the folder is not a complete checkpoint (the first defect found), or None."""
+    if not (path / MARKER).is_file():
+        return f"it has no {MARKER} marker (its save did not finish)"
     marker = _marker(path)
-    return marker is not None and _files_present(path, marker)
-
-
-def _files_present(path: Path, marker: dict) -> bool:
-    return all((path / name).is_file() and (path / name).stat().st_size == size
-               for name, size in marker["files"].items())
+    if marker is None:
+        return f"its {MARKER} marker is not a checkpoint marker (torn or not distflow's)"
+    for name, size in marker["files"].items():
+        file = path / name
+        if not file.is_file():
+            return f"{file} is missing"
+        if (found := file.stat().st_size) != size:
+            return f"{file} is {found} bytes, the marker says {size}"
+    return None
 
 
 def _marker(path: Path) -> dict | None:
@@ -320,9 +328,9 @@ class Checkpointer:
 
 def read_marker(path: Path) -> dict:
     """The marker of a complete checkpoint of this format; ConfigError otherwise."""
+    if (defect := checkpoint_defect(path)) is not None:
+        raise ConfigError(f"checkpoint {path} is incomplete: {defect}")
     marker = _marker(path)
-    if marker is None or not _files_present(path, marker):
-        raise ConfigError(f"checkpoint {path} is incomplete (no valid {MARKER} marker, or a missing or truncated file)")
     if marker.get("format", 1) != FORMAT:
         raise ConfigError(f"checkpoint {path} has format {marker.get('format', 1)}, this distflow reads format "
                           f"{FORMAT}; resume it with the distflow that wrote it, or start fresh with "

@@ -11,12 +11,14 @@ resume. Everything else names the run.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import types
 import typing
 from dataclasses import MISSING, Field, dataclass, field
 from typing import Any, Iterator, Literal, Union
 
+from distflow.config.aliases import ALIASES
 from distflow.errors import ConfigError
 
 
@@ -118,7 +120,7 @@ def from_dict(cls: type, tree: dict[str, Any], prefix: str = "") -> Any:
     kwargs = {}
     for key, value in tree.items():
         if key not in names:
-            raise ConfigError(f"unknown config key {prefix}{key} (docs/configuration.md lists every key)")
+            raise ConfigError(unknown_key_line(cls, prefix, key, value))
         if is_section(hints[key]):
             if not isinstance(value, dict):
                 raise ConfigError(f"{prefix}{key} is a section of keys, got {value!r}")
@@ -126,6 +128,31 @@ def from_dict(cls: type, tree: dict[str, Any], prefix: str = "") -> Any:
         else:
             kwargs[key] = _normalise(hints[key], value)
     return cls(**kwargs)
+
+
+def _written(key: str, value: Any) -> str:
+    """The first dotted key the user wrote under `key` (a whole section: its first leaf)."""
+    while isinstance(value, dict) and value:
+        child, value = next(iter(value.items()))
+        key = f"{key}.{child}"
+    return key
+
+
+def unknown_key_line(cls: type, prefix: str, key: str, value: Any) -> str:
+    """One line for a key `cls` does not have: the key as the user wrote it (under a section that does
+    not exist, its leaf: `trainer.bogus_key`, not `trainer`) and the closest real key, if one is near:
+    the same leaf name in another section (a renamed section), else the nearest spelling."""
+    written = _written(f"{prefix}{key}", value)
+    known = [k for k, _, _ in leaf_keys(cls, prefix)] if prefix else [k for k, _, _ in leaf_keys(cls)]
+    leaf = written.rsplit(".", 1)[-1]
+    near = [k for k in known if k.rsplit(".", 1)[-1] == leaf] or difflib.get_close_matches(written, known, 1, 0.75)
+    if not near:  # a misspelt leaf under a renamed section: the nearest leaf name anywhere
+        leaves = {k.rsplit(".", 1)[-1]: k for k in known}
+        near = [leaves[m] for m in difflib.get_close_matches(leaf, leaves, 1, 0.8)]
+    moved = sorted({new.split(".")[0] for old, new in ALIASES.items() if new and old.split(".")[0] == written.split(".")[0]})
+    hint = f"; did you mean {near[0]}?" if near else \
+        f"; {written.split('.')[0]}.* keys are now under {', '.join(moved)}" if moved else ""
+    return f"unknown config key {written}{hint} (docs/configuration.md lists every key)"
 
 
 def to_record(cfg: Any) -> dict[str, Any]:

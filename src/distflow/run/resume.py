@@ -26,7 +26,7 @@ from pathlib import Path
 from distflow.errors import RunComplete
 from distflow.config import ConfigError, DistflowConfig, config_differences, config_record
 from distflow.distributed import DistInfo, broadcast_object, shutdown
-from distflow.checkpoint.checkpointer import is_complete, latest_checkpoint, read_marker
+from distflow.checkpoint.checkpointer import checkpoint_defect, latest_checkpoint, read_marker
 from distflow.run.output import write_failure_line
 from distflow.run.rundir import RunDir
 
@@ -67,19 +67,26 @@ def plan_resume(cfg: DistflowConfig, restart: int = 0) -> ResumePlan:
 def _plan(run: RunDir, cfg: DistflowConfig, restart: int) -> ResumePlan:
     mode = cfg.checkpoint.resume
     mode = "auto" if mode == "never" and restart > 0 else mode
+    skipped: list[tuple[Path, int, str]] = []
     if mode in ("auto", "force"):
-        found = latest_checkpoint(run.checkpoints)
+        found = latest_checkpoint(run.checkpoints, skipped)
     elif mode == "never":
         found = None
     else:
         found = Path(mode)
-        if not is_complete(found):
-            raise ConfigError(f"checkpoint.resume={mode!r} is not a complete checkpoint folder")
+        if (defect := checkpoint_defect(found)) is not None:
+            raise ConfigError(f"checkpoint.resume={mode!r} is not a complete checkpoint folder: {defect}")
+    if found is None and skipped and mode == "force":
+        path, _, defect = skipped[0]
+        raise ConfigError(f"checkpoint.resume=force: no complete checkpoint in {run.checkpoints}; the newest, "
+                          f"{path}, cannot be loaded: {defect}")
+    torn = tuple(f"skipping checkpoint {path} (step {step}): {defect}" for path, step, defect in skipped)
     if found is None:
         moved = run.set_aside()
         run.claim()
         note = (f"{run.root} held files of an earlier run; they were moved to {moved}",) if moved else ()
-        return ResumePlan(set_aside=str(moved) if moved else None, warnings=note)
+        fresh = ("no complete checkpoint to continue: starting a fresh run at step 1",) if torn else ()
+        return ResumePlan(set_aside=str(moved) if moved else None, warnings=torn + fresh + note)
     marker = read_marker(found)
     diffs = config_differences(marker["config"], config_record(cfg))
     if diffs and mode == "auto":
@@ -93,7 +100,11 @@ def _plan(run: RunDir, cfg: DistflowConfig, restart: int) -> ResumePlan:
             f"{run.summary}). Start a new run with checkpoint.resume=never, or continue this one with a higher "
             "run.steps and checkpoint.resume=force")
     note = (f"continuing {found} with other settings than it was written with: {'; '.join(diffs)}",) if diffs else ()
-    return ResumePlan(str(found), int(marker["world_size"]), warnings=note)
+    if torn:  # what passing over them costs
+        lost = skipped[0][1] - marker["step"]
+        torn += (f"resuming from {found} (step {marker['step']}): {lost} step{'s' if lost != 1 else ''} "
+                 "will be computed again",)
+    return ResumePlan(str(found), int(marker["world_size"]), warnings=torn + note)
 
 
 def agree_on_plan(cfg: DistflowConfig, dist: DistInfo) -> ResumePlan:
