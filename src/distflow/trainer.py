@@ -53,7 +53,6 @@ class Trainer:
             log.info(f"loading weights: {cfg.model.path} into the {cfg.rollout.engine} engine and the policy")
             self.rollout = Rollout(cfg, self.dist, self.task, run.tokenizer, run.plan.model_path,
                                    run.plan.layout.engine_group, self.timer)
-            self.rollout.start_engine()
             self.learner = Learner(cfg, run.plan.layout, run.plan.model_path, run.plan.critic_path, run.pad_id,
                                    self.timer.phase)
             self.probe = EngineProbe(self.rollout, self.learner.policy, cfg.run, cfg.model.dtype, run.pad_id)

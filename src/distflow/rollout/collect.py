@@ -44,20 +44,13 @@ class Rollout:
         self.heldout = task.rows("heldout") if cfg.validation.wanted else []
         self.sampler = ShardedSampler(len(self.items), dist.rank, dist.world_size, r.seed, cfg.data.shuffle)
         self.scoring_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distflow-scoring")
-        self.engine = None
-        self.model_path, self.engine_group = model_path, engine_group
         self.version = 0  # the policy version the engine holds: optimizer steps it has seen
-
-    def start_engine(self) -> None:
-        """Load the engine (a phase of its own: it is most of the start-up's memory and time)."""
-        cfg = self.cfg
-        with self.timer.phase("startup:engine"):
-            self.engine = build_engine(self.model_path, cfg.model, cfg.rollout, self.dist.device, cfg.run.seed,
-                                       self.engine_group)
+        with timer.phase("startup:engine"):  # most of the start-up's memory and time
+            self.engine = build_engine(model_path, cfg.model, cfg.rollout, dist.device, r.seed, engine_group)
         # single-turn generation, or multi-turn episodes with the task's environment
         self.runner = EpisodeRunner(self.engine, self.task.workers, self.tokenizer, cfg.rollout,
                                     lockstep=cfg.rollout.tensor_parallel_size > 1) \
-            if self.task.env is not None else SingleTurn(self.engine)
+            if self.task.multi_turn else SingleTurn(self.engine)
 
     # ----------------------------------------------------------------- generation
     def collect(self, step: int) -> tuple[Rollouts, Future]:
@@ -133,5 +126,4 @@ class Rollout:
 
     def close(self) -> None:
         self.scoring_thread.shutdown(wait=True)
-        if self.engine is not None:
-            self.engine.shutdown()
+        self.engine.shutdown()

@@ -58,10 +58,6 @@ class Learner:
             self.critic = Critic(critic_path, cfg.critic, cfg.model, cfg.optim, layout) if cfg.has_critic else None
         self.estimator = ADVANTAGE_ESTIMATORS[a.advantage]
 
-    @property
-    def device(self) -> torch.device:
-        return self.policy.device
-
     def batch(self, samples: list[Sample]) -> UpdateBatch:
         """The step's one padded batch (micro-batches are row selections of it)."""
         return UpdateBatch.from_samples(samples, self.pad_id, self.policy.device, self.cfg.algorithm.overlong_filter)
