@@ -134,7 +134,8 @@ def _step_of(path: Path) -> int | None:
 
 def latest_checkpoint(root: Path, skipped: list[tuple[Path, int, str]] | None = None) -> Path | None:
     """The newest complete checkpoint in the checkpoints folder `root`. Every torn one newer than it
-    is appended to `skipped` as (folder, step, its defect), newest first, for the run to report."""
+    is logged, or, when the caller reports them itself, appended to `skipped` as (folder, step, its
+    defect), newest first (the resume decision runs before the rank's log exists)."""
     if not root.is_dir():
         return None
     steps = sorted(((step, path) for path in root.iterdir() if (step := _step_of(path)) is not None), reverse=True)
@@ -142,8 +143,9 @@ def latest_checkpoint(root: Path, skipped: list[tuple[Path, int, str]] | None = 
         defect = checkpoint_defect(path)
         if defect is None:
             return path
-        log.warning("skipping incomplete checkpoint %s: %s", path, defect)
-        if skipped is not None:
+        if skipped is None:
+            log.warning("skipping incomplete checkpoint %s: %s", path, defect)
+        else:
             skipped.append((path, step, defect))
     return None
 

@@ -143,7 +143,7 @@ def unknown_key_line(cls: type, prefix: str, key: str, value: Any) -> str:
     not exist, its leaf: `trainer.bogus_key`, not `trainer`) and the closest real key, if one is near:
     the same leaf name in another section (a renamed section), else the nearest spelling."""
     written = _written(f"{prefix}{key}", value)
-    known = [k for k, _, _ in leaf_keys(cls, prefix)] if prefix else [k for k, _, _ in leaf_keys(cls)]
+    known = [k for k, _, _ in leaf_keys(cls, prefix)]
     leaf = written.rsplit(".", 1)[-1]
     near = [k for k in known if k.rsplit(".", 1)[-1] == leaf] or difflib.get_close_matches(written, known, 1, 0.75)
     if not near:  # a misspelt leaf under a renamed section: the nearest leaf name anywhere
