@@ -126,8 +126,35 @@ def from_dict(cls: type, tree: dict[str, Any], prefix: str = "") -> Any:
                 raise ConfigError(f"{prefix}{key} is a section of keys, got {value!r}")
             kwargs[key] = from_dict(hints[key], value, f"{prefix}{key}.")
         else:
-            kwargs[key] = _normalise(hints[key], value)
+            kwargs[key] = _typed(hints[key], _normalise(hints[key], value), f"{prefix}{key}")
     return cls(**kwargs)
+
+
+_SCALARS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _typed(annotation: Any, value: Any, key: str) -> Any:
+    """`value` as the scalar type its field declares (int, float, bool or str, optionally None),
+    else ConfigError naming the key. A number written as text ("1e-5" from a YAML file) is the
+    number; an int where a float is declared is that float. Other annotations pass unchecked."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+    optional = type(None) in args
+    kinds = [a for a in args if a is not type(None)]
+    if value is None and optional or len(kinds) != 1 or kinds[0] not in _SCALARS:
+        return value
+    kind = kinds[0]
+    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if kind is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if kind in (bool, str) and isinstance(value, kind):
+        return value
+    if isinstance(value, str) and kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    raise ConfigError(f"{key} must be {_SCALARS[kind]}{' or null' if optional else ''}, got {value!r}")
 
 
 def _written(key: str, value: Any) -> str:
