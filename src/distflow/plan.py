@@ -69,9 +69,13 @@ class Resolved:
             critic_path = _local_folder(cfg.critic.path, dist) if cfg.critic.path else model_path
         from transformers import AutoConfig
 
+        from distflow.models.folder_check import check_model_folder
         from distflow.train.policy import check_model_options
 
         trust = cfg.model.trust_remote_code
+        check_model_folder(model_path, "model.path", trust)
+        if cfg.has_critic and critic_path != model_path:
+            check_model_folder(critic_path, "critic.path", trust, tokenizer=False)
         model_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust)
         check_model_options(model_path, cfg.model, model_config)  # before any weights load
         shape = model_shape(model_config, trust)
