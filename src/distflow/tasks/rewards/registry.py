@@ -66,12 +66,12 @@ class RewardSpec:
     @classmethod
     def parse(cls, spec: str | dict[str, float]) -> "RewardSpec":
         items = spec.items() if isinstance(spec, dict) else [(spec, 1.0)]
-        components = [(s, float(w)) for s, w in items]
+        components = [(s, _weight(w)) for s, w in items]
         if not components:
             raise ConfigError("task.rewards is an empty combination")
-        for s, w in components:
-            if not isinstance(s, str) or not math.isfinite(w):
-                raise ConfigError(f"reward {s!r} with weight {w!r}: need a spec string and a finite weight")
+        for (s, w), (_, written) in zip(components, items):
+            if not isinstance(s, str) or w is None or not math.isfinite(w):
+                raise ConfigError(f"reward {s!r} with weight {written!r}: need a spec string and a finite weight")
         return cls(components, [load_reward(s) for s, _ in components])
 
     @classmethod
@@ -82,3 +82,13 @@ class RewardSpec:
     @property
     def specs(self) -> list[str]:
         return [s for s, _ in self.components]
+
+
+def _weight(value) -> float | None:
+    """A combination's weight as a float; None for what is not a number (a bool is not one)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
