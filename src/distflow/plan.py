@@ -27,6 +27,7 @@ from distflow.config import DistflowConfig, config_record
 from distflow.distributed import DistInfo, on_local_rank0_first
 from distflow.distributed.devices import CpuBf16, choose_backend, compute_dtype, dtype_line, resolve_auto
 from distflow.distributed.layout import ParallelLayout
+from distflow.errors import ConfigError
 from distflow.train.memory_budget import ModelShape, check_memory_budget, model_shape
 
 # Every key that has an automatic setting, spelled as the user writes it; the plan makes each concrete.
@@ -78,6 +79,7 @@ class Resolved:
             check_model_folder(critic_path, "critic.path", trust, tokenizer=False)
         model_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust)
         check_model_options(model_path, cfg.model, model_config)  # before any weights load
+        check_context(cfg.rollout, model_config, model_path)
         shape = model_shape(model_config, trust)
         critic_shape = None
         if cfg.has_critic:
@@ -136,6 +138,19 @@ def plan(cfg: DistflowConfig, dist: DistInfo, model_path: str | None = None, cri
          cpu: CpuBf16 | None = None) -> RunPlan:
     """The whole start-up plan for this rank: `resolve`, then `Resolved.plan` (see the module doc)."""
     return resolve(cfg, dist.device, dist.backend, cpu).plan(dist, model_path, critic_path)
+
+
+def check_context(rollout, model_config, model_path: str) -> None:
+    """The longest sequence a run asks for must fit the model's positions: vLLM refuses a longer
+    context, and the HF engine and the policy would run past the positions the model was trained on."""
+    limit = getattr(model_config, "max_position_embeddings", None)
+    need = rollout.max_sequence_tokens()
+    if isinstance(limit, int) and need > limit:
+        budget = f"rollout.max_new_tokens={rollout.max_new_tokens}" if rollout.max_turns == 1 else \
+            f"a response budget of {rollout.response_budget()} tokens over {rollout.max_turns} turns"
+        raise ConfigError(f"rollout.max_prompt_tokens={rollout.max_prompt_tokens} and {budget} need sequences of up "
+                          f"to {need} tokens, beyond the model's max_position_embeddings={limit} "
+                          f"({model_path}/config.json): lower them")
 
 
 def _local_folder(path: str, dist: DistInfo) -> str:

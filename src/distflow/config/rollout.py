@@ -42,6 +42,14 @@ class RolloutConfig:
             return self.max_new_tokens
         return self.max_total_tokens or self.max_turns * self.max_new_tokens
 
+    def max_sequence_tokens(self) -> int:
+        """The longest sequence the engine is asked about: the post-resync probe resubmits a full
+        prompt plus its full response as a prompt and asks for one more token. A multi-turn episode's
+        later turns start from up to the whole response budget and may ask for max_new_tokens more
+        (distflow.rollout.episodes cuts what passes the budget)."""
+        later_turn = self.max_new_tokens if self.max_turns > 1 else 0
+        return self.max_prompt_tokens + self.response_budget() + later_turn + 1
+
     def checks(self) -> list[tuple[bool, str]]:
         return [
             (self.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1"),

@@ -53,12 +53,8 @@ def memory_kwargs(rollout: RolloutConfig, on_cpu: bool) -> dict:
 
 
 def max_model_len(rollout: RolloutConfig) -> int:
-    """The longest sequence the engine is asked about: the post-resync probe resubmits a full
-    prompt plus its full response as a prompt and asks for one more token. A multi-turn episode's
-    later turns start from up to the whole response budget and may ask for max_new_tokens more
-    (distflow.rollout.episodes cuts what passes the budget)."""
-    later_turn = rollout.max_new_tokens if rollout.max_turns > 1 else 0
-    return rollout.max_prompt_tokens + rollout.response_budget() + later_turn + 1
+    """The engine's context: the longest sequence it is asked about (RolloutConfig.max_sequence_tokens)."""
+    return rollout.max_sequence_tokens()
 
 
 def check_platform(device_type: str, vllm_on_cpu: bool) -> None:
