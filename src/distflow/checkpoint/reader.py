@@ -149,4 +149,11 @@ def load_checkpoint(state: dict[str, Any], folder: Path | str) -> None:
                 raise ConfigError(str(error)) from None
             if isinstance(error, pickle.UnpicklingError):  # a tensor entry (DCP loads those weights_only)
                 raise _refusal(Path(folder), _unsupported(error)) from None
-        raise
+        # CheckpointException is a BaseException: unmapped, it would pass every `except Exception` as a
+        # traceback on every rank. A shape or key mismatch means another model or config wrote it.
+        error = next(iter(e.failures.values()))[0] if e.failures else e
+        what = " ".join(str(error).split()) or type(error).__name__
+        if isinstance(error, OSError):
+            raise ConfigError(f"checkpoint {folder} cannot be read: {error.strerror or what}") from None
+        raise ConfigError(f"checkpoint {folder} does not fit this run's model: {what}; it was written by a run with "
+                          "another model or model config (checkpoint.resume=never starts afresh)") from None
