@@ -1,6 +1,7 @@
 """Hostile programs through the python tool's real sandbox (distflow.tasks.envs.sandbox): each attack runs, and the
 test checks on the host that its effect did not happen. No skips: a machine where the sandbox cannot start
-fails here (CI must run the isolated path)."""
+fails here (CI must run the isolated path). Only the cgroup v2 memory limit has a test per kind of machine, one
+of them skipped: with the limit, and without it (where a start-up note says the bound is per process only)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import pytest
 from distflow.config import ConfigError
 from distflow.tasks.envs import ToolEnv, build_env, build_tools
 from distflow.tasks.envs.python_tool import PROCESS_LIMIT, PythonExecutor
+from distflow.tasks.envs.cgroup import PREFIX
+from distflow.tasks.envs.cgroup import find as find_cgroups
 from distflow.tasks.envs.sandbox import SANDBOX_ID
 from distflow.tasks.rewards.pool import RewardPool
 
@@ -233,6 +236,59 @@ def test_memory_and_output_floods_are_bounded(python):
     assert time.monotonic() - start < python.timeout_s + 3
     assert len(result.output) < 300 and "...[truncated " in result.output
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 << 10  # KiB: the 1 GiB was not kept
+
+
+def forks_that_allocate(marker: str, memory_mib: int) -> str:
+    """A program whose 8 children each hold 0.6 x its per-process limit (under RLIMIT_AS alone, over it together)."""
+    return f"""
+        import os, time
+        r, w = os.pipe()
+        for _ in range(8):
+            if os.fork() == 0:
+                data = b"x" * int(0.6 * {memory_mib} * 2**20)  # every page written  # {marker}
+                os.write(w, b".")
+                time.sleep(60)
+                os._exit(0)
+        got = b""
+        while len(got) < 8:
+            got += os.read(r, 8)
+        print("all 8 allocated", flush=True)
+        time.sleep(60)
+    """
+
+
+@pytest.fixture(scope="module")
+def small() -> PythonExecutor:
+    return PythonExecutor(timeout_s=2, memory_mib=64, max_output_chars=300)
+
+
+def test_processes_that_together_pass_the_memory_limit_end_with_the_call_without_a_cgroup(small):
+    """Where no cgroup v2 limit is possible (this machine, CI), the total is bounded per process only (the start-up
+    note says so): the 8 x 38 MiB stay allocated until the call's timeout, which ends every process."""
+    if small.cgroups is not None:
+        pytest.skip(f"a cgroup v2 memory limit works here ({small.cgroups.base}): see the test below")
+    marker = f"marker_{uuid.uuid4().hex}"
+    start = time.monotonic()
+    result = run(small, forks_that_allocate(marker, 64))
+    assert result.timed_out and result.output.startswith("error: timed out after 2s\nall 8 allocated"), result.output
+    assert time.monotonic() - start < small.timeout_s + 3
+    assert gone(marker), processes_with(marker)
+    assert run(small, "print('still usable')").output == "still usable\n"
+
+
+def test_processes_that_together_pass_the_memory_limit_are_killed_by_the_cgroup(small):
+    """With a cgroup v2 limit (memory_mib + 64 MiB of /tmp = 128 MiB for all processes together) the OOM killer
+    ends the whole program long before 8 x 38 MiB are held: the tool's out-of-memory observation."""
+    if small.cgroups is None:
+        pytest.skip(f"no cgroup v2 memory limit here: {find_cgroups(small.total_memory_bytes, PROCESS_LIMIT)[1]}")
+    marker = f"marker_{uuid.uuid4().hex}"
+    result = run(small, forks_that_allocate(marker, 64))
+    assert result.error and not result.timed_out, result.output
+    assert result.output.startswith("error: out of memory (all of its processes together may use 128 MiB)")
+    assert "all 8 allocated" not in result.output
+    assert gone(marker), processes_with(marker)
+    assert not [n for n in os.listdir(small.cgroups.base) if n.startswith(f"{PREFIX}{os.getpid()}-")]
+    assert run(small, "print('still usable')").output == "still usable\n"
 
 
 def test_the_sandbox_dies_with_the_process_that_started_it(tmp_path):

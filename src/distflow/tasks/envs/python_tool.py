@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import codecs
 import ctypes
+import logging
 import math
 import os
 import resource
@@ -20,6 +21,8 @@ import time
 from typing import Callable, Optional
 
 from distflow.config import ConfigError
+from distflow.tasks.envs.cgroup import CallCgroup, MemoryCgroups, per_process_note
+from distflow.tasks.envs.cgroup import find as find_cgroups
 from distflow.tasks.envs.sandbox import MECHANISMS, Limits, Sandbox, SandboxUnavailable, base_env, capped, find
 from distflow.tasks.envs.tools import ToolResult, check_output_limit, cut_text, error_result, string_argument
 
@@ -35,6 +38,8 @@ PROCESS_LIMIT = 64
 STARTUP_ALLOWANCE_S = 1.0
 MAX_CODE_BYTES = 100_000  # one argv string may be at most 128 KiB (MAX_ARG_STRLEN)
 _READ_CHUNK = 1 << 16
+log = logging.getLogger("distflow")
+_noted = False  # the per-process-only memory note is logged once per process
 
 # Runs in the interpreter before the user code: argv = [code, "sandbox" or the worker's network namespace
 # inode]. In the sandbox (started with -S: the standard library only) it restores exit() and help(). Without
@@ -157,8 +162,11 @@ class PythonExecutor:
     read-only system and a private 64 MiB /tmp as its working folder and HOME (nothing of the user's home, the
     project, the virtual environment or the run folder), its own PID namespace, no network, a minimal
     environment (PATH, LANG, LC_ALL, HOME), an unprivileged uid without capabilities, and rlimits on CPU time,
-    address space, file size, core dumps and processes. stdin is closed. At the end or at the timeout all of
-    its processes are killed (the namespace's init exits; it also dies with the worker). Output beyond
+    address space, file size, core dumps and processes. All of its processes together, /tmp included, are held
+    to memory_mib + 64 MiB by a per-call cgroup v2 where the machine allows one (distflow.tasks.envs.cgroup);
+    elsewhere one start-up line says the bound is per process only (processes x memory_mib), and a call's
+    processes die at its timeout. Going over the total ends the whole program, an "out of memory" observation.
+    stdin is closed. At the end or at the timeout all of its processes are killed (the namespace's init exits; it also dies with the worker). Output beyond
     max_output_chars is read and counted but not kept, so a print loop cannot exhaust the worker's memory.
 
     Where no sandbox works (the probe runs once per process, when the tool is built) the tool refuses to
@@ -176,6 +184,7 @@ class PythonExecutor:
     }
     _mechanisms = MECHANISMS  # the sandbox mechanisms to try; () forces "none works" (tests)
     _try_netns = True  # unisolated only: False forces the audit-hook network block (tests)
+    _cgroup_root = "/"  # where /proc/self/cgroup and the cgroup2 mount are read (tests: a fake tree)
 
     def __init__(self, timeout_s: float = 5.0, memory_mib: int = 512, max_output_chars: int = 2000,
                  allow_unisolated: bool = False) -> None:
@@ -212,10 +221,19 @@ class PythonExecutor:
         ]
         self._nproc = _limit(resource.RLIMIT_NPROC, PROCESS_LIMIT)
         self._unshare = _unshare() if self._try_netns and self.sandbox is None else None
+        self.total_memory_bytes = (memory_mib << 20) + TMP_SIZE  # its processes together, /tmp included
+        self.cgroups: Optional[MemoryCgroups]
+        self.cgroups, why = find_cgroups(self.total_memory_bytes, PROCESS_LIMIT, self._cgroup_root)
+        if self.cgroups is None:
+            # RLIMIT_NPROC holds where the sandbox's uid is not root outside: not bwrap run as root, not unisolated
+            bounded = self.sandbox is not None and not (self.sandbox.mechanism == "bwrap" and os.getuid() == 0)
+            _note_once(per_process_note(why, PROCESS_LIMIT if bounded else None, memory_mib << 20, TMP_SIZE))
 
-    def _preexec(self) -> None:
+    def _preexec(self, cgroup_procs: int = -1) -> None:
         """Unisolated only, in the forked child before exec: only pre-computed values and C calls (the worker may
-        have threads)."""
+        have threads). cgroup_procs: an open cgroup.procs to join first (-1: none)."""
+        if cgroup_procs >= 0:
+            os.write(cgroup_procs, b"0")
         isolated = self._unshare is not None and self._unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0
         for kind, value in self._limits:
             resource.setrlimit(kind, value)
@@ -228,17 +246,35 @@ class PythonExecutor:
             return code
         if len(code.encode("utf-8", "surrogatepass")) > MAX_CODE_BYTES or "\0" in code:
             return error_result(f"the code must be at most {MAX_CODE_BYTES} bytes, without NUL characters")
-        if self.sandbox is not None:
-            return self._run(lambda: self.sandbox.popen(_BOOTSTRAP, [code, "sandbox"], base_env()))
-        with tempfile.TemporaryDirectory(prefix="distflow-python-", ignore_cleanup_errors=True) as cwd:
+        try:
+            call_cgroup = self.cgroups.make() if self.cgroups is not None else None
+        except OSError as e:
+            return error_result(f"could not start the sandbox: cannot make its memory cgroup: {e}")
+        try:
+            if self.sandbox is not None:
+                prefix = call_cgroup.prefix() if call_cgroup else []
+                return self._run(lambda: self.sandbox.popen(_BOOTSTRAP, [code, "sandbox"], base_env(), prefix),
+                                 call_cgroup)
+            with tempfile.TemporaryDirectory(prefix="distflow-python-", ignore_cleanup_errors=True) as cwd:
+                return self._unisolated(code, cwd, call_cgroup)
+        finally:
+            if call_cgroup is not None:
+                call_cgroup.close()
+
+    def _unisolated(self, code: str, cwd: str, call_cgroup: Optional[CallCgroup]) -> ToolResult:
+        procs = os.open(call_cgroup.procs, os.O_WRONLY | os.O_CLOEXEC) if call_cgroup else -1
+        try:
             return self._run(lambda: subprocess.Popen(
                 [sys.executable, "-I", "-c", _BOOTSTRAP, code, _netns_inode()],
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=cwd,
                 env={"PATH": os.environ.get("PATH", os.defpath)}, start_new_session=True,
-                preexec_fn=self._preexec,
-            ))
+                preexec_fn=lambda: self._preexec(procs),
+            ), call_cgroup)
+        finally:
+            if procs >= 0:
+                os.close(procs)
 
-    def _run(self, start: Callable[[], subprocess.Popen]) -> ToolResult:
+    def _run(self, start: Callable[[], subprocess.Popen], call_cgroup: Optional[CallCgroup]) -> ToolResult:
         try:
             proc = start()
         except (OSError, ValueError, SandboxUnavailable, subprocess.SubprocessError) as e:
@@ -249,6 +285,9 @@ class PythonExecutor:
             _kill_group(proc.pid)  # before reaping, so the group id cannot have been reused
             proc.wait()
             proc.stdout.close()  # type: ignore[union-attr]
+        if call_cgroup is not None and call_cgroup.out_of_memory():
+            reason = f"out of memory (all of its processes together may use {self.total_memory_bytes >> 20} MiB)"
+            return ToolResult(_with_reason(reason, output), error=True)
         if timed_out:
             return ToolResult(_with_reason(f"timed out after {self.timeout_s:g}s", output), error=True, timed_out=True)
         returncode = proc.returncode if self.sandbox is None else self.sandbox.returncode(proc.returncode)
@@ -282,6 +321,15 @@ class PythonExecutor:
             else:
                 eof = True
         return head.text(), False
+
+
+def _note_once(note: str) -> None:
+    """At start-up, once per process: the trainer's rank logs it (rank 0 on the console); a task worker, whose
+    logging is not set up, drops an INFO record."""
+    global _noted
+    if not _noted:
+        _noted = True
+        log.info(note)
 
 
 def _exit_reason(returncode: int) -> str:

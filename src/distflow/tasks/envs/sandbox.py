@@ -22,7 +22,9 @@ Two mechanisms, tried in this order by `find()` (a real probe, once per process)
 The program is the base interpreter (`sys._base_executable`, not the virtual environment's) started with
 `-I -S`: the standard library only. Limits (CPU seconds, address space, file size, no core files, processes)
 are set by a prelude inside the sandbox before the program runs, so the process limit counts that namespace
-alone; the program cannot raise them (no capability outside its namespace).
+alone; the program cannot raise them (no capability outside its namespace). Their sum over all of its
+processes is bounded by a cgroup v2 where the machine allows one (distflow.tasks.envs.cgroup), else only
+per process.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 SANDBOX_ID = 65534  # the uid and gid root's sandboxes run as (nobody), inside and outside
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32", "/etc")
@@ -283,10 +285,12 @@ class Sandbox:
         """The program's exit status as subprocess gives it (-N: killed by signal N); bwrap reports 128 + N."""
         return -(returncode - 128) if self.mechanism == "bwrap" and 128 < returncode < 160 else returncode
 
-    def popen(self, program: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    def popen(self, program: str, args: list[str], env: dict[str, str], prefix: Sequence[str] = ()
+              ) -> subprocess.Popen:
         """The started sandbox: stdin /dev/null, stdout and stderr merged into one pipe, its own session (kill
-        the process group to end it). Raises OSError or SandboxUnavailable when it cannot start."""
-        return subprocess.Popen(self.argv(program, args), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        the process group to end it). `prefix` runs first and execs the rest (joining a memory cgroup:
+        distflow.tasks.envs.cgroup). Raises OSError or SandboxUnavailable when it cannot start."""
+        return subprocess.Popen([*prefix, *self.argv(program, args)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, env=env, cwd="/", start_new_session=True)
 
 
