@@ -160,9 +160,10 @@ def test_no_connection_reaches_a_local_listener(python):
     assert "connected" not in result.output and "Network is unreachable" in result.output
 
 
-def test_a_detached_child_does_not_outlive_the_call(python):
+def test_a_detached_child_does_not_outlive_the_call(python, tmp_path):
     """fork + setsid leaves the process group the tool kills; the PID namespace's end takes it anyway. The same
-    program without a sandbox (allow_unisolated on a machine without one) leaves it running: the control."""
+    program without a sandbox (allow_unisolated on a machine without one) and without a memory cgroup (whose
+    end would take it too) leaves it running: the control."""
     marker = f"marker_{uuid.uuid4().hex}"
     code = f"""
         import os, time
@@ -180,6 +181,7 @@ def test_a_detached_child_does_not_outlive_the_call(python):
 
     class Unisolated(PythonExecutor):
         _mechanisms = ()
+        _cgroup_root = str(tmp_path)  # no /proc/self/cgroup there: no cgroup
 
     run(Unisolated(timeout_s=2, allow_unisolated=True), code)
     survivors = processes_with(marker)
