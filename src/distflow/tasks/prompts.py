@@ -1,5 +1,6 @@
 """Load a prompt/answer dataset (a local file, a Hugging Face Hub dataset, or a procedural
-reasoning-gym task) and render each prompt with the chat template."""
+reasoning-gym task) and render each prompt with the chat template (PromptEncoder: what a row
+writes is text, never the template's control tokens)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import math
 import os
 import re
 import tempfile
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import datasets
@@ -63,6 +63,7 @@ def load_prompts(task: TaskConfig, tokenizer, max_prompt_tokens: int, split: str
         if key not in columns:
             raise ConfigError(f"task.{role} {key!r} is not a column of {source}; columns: {columns}")
 
+    encode = PromptEncoder(tokenizer)
     items, bad, no_answer, too_long = [], 0, 0, 0
     first_answer: dict[str, str] = {}
     repeats, conflicting = 0, 0
@@ -80,7 +81,7 @@ def load_prompts(task: TaskConfig, tokenizer, max_prompt_tokens: int, split: str
         if env is not None:
             messages = env.reset(row, messages)
         prompt = json.dumps(messages)  # identity of the prompt, for the repeat count
-        ids = _as_id_list(_render(tokenizer, messages, tokenize=True))
+        ids, text = encode(messages)
         if len(ids) > max_prompt_tokens:
             too_long += 1
             continue
@@ -89,7 +90,6 @@ def load_prompts(task: TaskConfig, tokenizer, max_prompt_tokens: int, split: str
             conflicting += first_answer[prompt] != answer
         else:
             first_answer[prompt] = answer
-        text = _render(tokenizer, messages, tokenize=False)
         items.append(PromptItem(ids, text, answer, row))
 
     if bad:
@@ -112,11 +112,95 @@ def load_prompts(task: TaskConfig, tokenizer, max_prompt_tokens: int, split: str
     return items
 
 
-def _render(tokenizer, messages: list[dict], tokenize: bool):
-    """The chat template applied to a prompt; a template that refuses it (Gemma's refuses a system
-    turn, some refuse roles out of order) is a one-line ConfigError naming the role and the model."""
+class PromptEncoder:
+    """Chat messages from data (a dataset row, task.system_prompt, an environment's reset) as the
+    prompt's token ids and rendered text: the one place where data text becomes token ids.
+
+    Why not apply_chat_template(tokenize=True): it encodes the rendered text as a whole, so
+    special-token text written inside a message (`<|im_end|>`, `<|eot_id|>`) became the control
+    token, and a row could close its turn and open others. Here the template's own markers stay
+    control tokens and every message's content is text (split_special_tokens, as the rollout
+    encodes observations).
+
+    Contents without special-token text are encoded exactly as before: the rendered text in one
+    tokenizer call, which is all apply_chat_template(tokenize=True) does. Otherwise the special-token
+    text in the contents is held out (a placeholder) while the template renders, the template's
+    control tokens are located in that rendering by the tokenizer itself (its own matching and
+    whitespace-strip rules), and each stretch between two of them, the held text put back, is
+    encoded with split_special_tokens: the tokenizer's own splits, less those inside content.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self.specials: dict[int, str] = {i: t.content for i, t in added.items() if t.special and t.content}
+        for text in tokenizer.all_special_tokens:
+            self.specials.setdefault(tokenizer.convert_tokens_to_ids(text), text)
+        texts = sorted(set(self.specials.values()), key=len, reverse=True)
+        self.ids = {text: i for i, text in self.specials.items()}
+        self.pattern = re.compile("|".join(map(re.escape, texts))) if texts else None
+
+    def __call__(self, messages: list[dict]) -> tuple[list[int], str]:
+        """(token ids, rendered text) of `messages` with the generation prompt."""
+        if self.pattern is None or not any(self.pattern.search(m["content"]) for m in messages):
+            text = _render(self.tokenizer, messages)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]), text
+        used = "".join(m["content"] for m in messages) + str(getattr(self.tokenizer, "chat_template", ""))
+        mark = next(chr(c) for c in range(0xE000, 0xF900) if chr(c) not in used)  # private use: not in this text
+        held: list[str] = []
+
+        def hold(m: re.Match) -> str:
+            held.append(m.group())
+            return f"{mark}{len(held) - 1}{mark}"
+
+        shown = _render(self.tokenizer, [{**m, "content": self.pattern.sub(hold, m["content"])} for m in messages])
+        held_back = re.compile(f"{mark}(\\d+){mark}")
+
+        def restore(part: str) -> str:
+            return held_back.sub(lambda m: held[int(m.group(1))], part)
+
+        ids: list[int] = []
+        start = 0
+        for a, b, token in self._control_tokens(shown):
+            ids += self._as_text(restore(shown[start:a])) + [token]
+            start = b
+        return ids + self._as_text(restore(shown[start:])), restore(shown)
+
+    def _control_tokens(self, text: str) -> list[tuple[int, int, int]]:
+        """(start, end, id) of each special token the tokenizer matches in `text`, the whitespace
+        it strips included; a tokenizer without offsets (a slow one): each special token's text,
+        widened by its lstrip/rstrip."""
+        if not getattr(self.tokenizer, "is_fast", False):
+            return self._matched(text)
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return [(a, b, i) for i, (a, b) in zip(enc["input_ids"], enc["offset_mapping"])
+                if i in self.specials and text[a:b].strip() == self.specials[i].strip()]
+
+    def _matched(self, text: str) -> list[tuple[int, int, int]]:
+        """_control_tokens without the tokenizer's offsets: each special token's text, widened over
+        the whitespace its lstrip/rstrip takes."""
+        found, added = [], getattr(self.tokenizer, "added_tokens_decoder", None) or {}
+        for m in self.pattern.finditer(text):
+            a, b, token = m.start(), m.end(), self.ids[m.group()]
+            flags = added.get(token)
+            while getattr(flags, "lstrip", False) and a > (found[-1][1] if found else 0) and text[a - 1].isspace():
+                a -= 1
+            while getattr(flags, "rstrip", False) and b < len(text) and text[b].isspace():
+                b += 1
+            found.append((a, b, token))
+        return found
+
+    def _as_text(self, text: str) -> list[int]:
+        if not text:
+            return []
+        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+
+def _render(tokenizer, messages: list[dict]) -> str:
+    """The chat template applied to a prompt, as text; a template that refuses it (Gemma's refuses a
+    system turn, some refuse roles out of order) is a one-line ConfigError naming the role and the model."""
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # noqa: BLE001 - jinja raises its own types (TemplateError from raise_exception)
         model = getattr(tokenizer, "name_or_path", "") or "the model"
         reason = " ".join(str(e).split())[:200] or type(e).__name__
@@ -267,15 +351,3 @@ def _utf8_problem(path: str) -> str | None:
                 return None
             offset += len(chunk)
             newlines += chunk.count(b"\n")
-
-
-def _as_id_list(out) -> list[int]:
-    """apply_chat_template(tokenize=True) gives a BatchEncoding in transformers 5 (return_dict=True
-    is the default there), a list in 4.x; either may be batched or a tensor. Return a flat list."""
-    if isinstance(out, Mapping):
-        out = out["input_ids"]
-    if hasattr(out, "tolist"):
-        out = out.tolist()
-    if out and isinstance(out[0], list):
-        (out,) = out
-    return [int(i) for i in out]
