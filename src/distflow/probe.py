@@ -31,8 +31,8 @@ PROBE_LIMIT = {"float32": 1e-3, "bfloat16": 3.0}
 
 
 @torch.no_grad()
-def max_logprob_diff(engine, policy, seqs: list[list[int]], pad_id: int, rows=None) -> float:
-    """Max |engine - policy| logprob of every token after the first of `seqs`, at temperature 1:
+def logprob_gaps(engine, policy, seqs: list[list[int]], pad_id: int, rows=None) -> list[torch.Tensor]:
+    """|engine - policy| logprob of every token after the first of each of `seqs`, at temperature 1:
     after a resync the two must agree (a wrong or partial resync shows up here). `rows`: the
     same sequences as a `TokenBatch` that scores all their tokens (`TokenBatch.whole`, the
     step's own rows, not padded again); padded from `seqs` when None."""
@@ -40,10 +40,18 @@ def max_logprob_diff(engine, policy, seqs: list[list[int]], pad_id: int, rows=No
     if rows is None:
         rows = TokenBatch.from_samples([Sample(seq[:1], seq[1:], [], False) for seq in seqs], pad_id, policy.device)
     policy_lp = policy.logprobs(rows, 1.0)
+    return [(torch.tensor(lp) - policy_lp[i, : len(lp)].float().cpu()).abs() for i, lp in enumerate(engine_lp)]
+
+
+def max_logprob_diff(engine, policy, seqs: list[list[int]], pad_id: int, rows=None) -> float:
+    """Max |engine - policy| logprob of every token after the first of `seqs` (see logprob_gaps)."""
+    return _largest(logprob_gaps(engine, policy, seqs, pad_id, rows))
+
+
+def _largest(gaps: list[torch.Tensor]) -> float:
     diff = 0.0
-    for i, lp in enumerate(engine_lp):
-        ref = policy_lp[i, : len(lp)].float().cpu()
-        diff = max(diff, float((torch.tensor(lp) - ref).abs().max()))
+    for gap in gaps:
+        diff = max(diff, float(gap.max()))
     return diff
 
 
@@ -56,6 +64,14 @@ def mismatch_line(diff: float, dtype: str, model_type: str, when: str) -> str | 
     return (f"{when}: the engine's logprobs differ from the policy's by up to {diff:.3g} ({model_type}, {dtype}; at "
             f"most {limit:g} expected): the engine does not compute what the policy trains, or does not hold its "
             "weights; run.allow_engine_mismatch=true trains anyway")
+
+
+def start_line(diff: float, mean: float, dtype: str) -> str:
+    """The start-up probe's line while `diff` is within PROBE_LIMIT: the statistic the limit
+    applies to (the max), the mean beside it, and the limit of the dtype, so that a bfloat16 max
+    of a few tenths reads as the healthy value it is; 3 significant digits keep float32's ~1e-6."""
+    return (f"start-up probe ({dtype}): max |engine - policy| logprob {diff:.3g}, mean {mean:.3g}, "
+            f"within the {dtype} bound {PROBE_LIMIT[dtype]:g}")
 
 
 class EngineProbe:
@@ -73,8 +89,9 @@ class EngineProbe:
         the checkpoint) against the policy, on the rank's first prompts (`items`: PromptItems); a
         mismatched family stops here."""
         seqs = [item.prompt_ids for item in items[: max(self.r.sync_probe_seqs, 2)]] or [[self.pad_id] * 2]
-        diff = self.check(seqs, "start-up")
-        log.info(f"start-up probe: engine and policy logprobs agree to {diff:.3g}")
+        diff, mean = self.check(seqs, "start-up", mean=True)
+        if not diff > PROBE_LIMIT[self.dtype]:  # past it, check() stopped the run or warned, in one line
+            log.info(start_line(diff, mean, self.dtype))
         return diff
 
     def after_sync(self, step: int, samples: list[Sample], tokens: TokenBatch) -> float | None:
@@ -85,15 +102,22 @@ class EngineProbe:
             return None
         seqs = [s.prompt_ids + s.response_ids for s in samples[:n]]
         rows = tokens.whole(list(range(len(seqs)))) if seqs else None
-        return self.check(seqs or [[self.pad_id] * 2], f"step {step}", rows)
+        return self.check(seqs or [[self.pad_id] * 2], f"step {step}", rows)[0]
 
-    def check(self, seqs: list[list[int]], when: str, rows: TokenBatch | None = None) -> float:
-        """The largest |engine - policy| logprob of any rank on `seqs` (a collective)."""
-        diff = max_logprob_diff(self.engine, self.policy, seqs, self.pad_id, rows)
-        diff = float(all_reduce(diff, op="max")[0])
+    def check(self, seqs: list[list[int]], when: str, rows: TokenBatch | None = None,
+              mean: bool = False) -> tuple[float, float]:
+        """The largest |engine - policy| logprob of any rank on `seqs`, and with `mean` the mean
+        over all ranks' tokens (NaN without; one more collective); past PROBE_LIMIT it stops the run
+        (run.allow_engine_mismatch: warns). Collective."""
+        gaps = logprob_gaps(self.engine, self.policy, seqs, self.pad_id, rows)
+        diff = float(all_reduce(_largest(gaps), op="max")[0])
+        average = float("nan")
+        if mean:
+            total, count = all_reduce([sum(float(g.sum()) for g in gaps), sum(g.numel() for g in gaps)]).tolist()
+            average = total / count if count else float("nan")
         line = mismatch_line(diff, self.dtype, self.policy.model.config.model_type, when)
         if line and not self.r.allow_engine_mismatch:
             raise RunAborted(line)
         if line:
             log.warning(line)
-        return diff
+        return diff, average

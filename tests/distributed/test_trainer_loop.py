@@ -361,8 +361,10 @@ def test_an_engine_that_does_not_hold_the_policy_stops_the_run(runs):
     rows = _trained(runs, "stale_allowed", steps=1)
     assert rows[0]["sync/max_abs_logprob_diff"] > 1e-3
     assert "step 1: the engine's logprobs differ" in runs["stale_allowed"]["log"]
-    # a healthy run: the start-up probe agrees to float32 noise
-    assert "start-up probe: engine and policy logprobs agree to" in runs["stale_first"]["log"]
+    # a healthy run: the start-up probe reads float32 noise, within its bound
+    line = next(x for x in runs["stale_first"]["log"].splitlines() if "start-up probe (float32): " in x)
+    assert line.endswith(", within the float32 bound 0.001") and "max |engine - policy| logprob " in line, line
+    assert float(line.split("logprob ")[1].split(",")[0]) <= 1e-5, line
 
 
 def test_run_device_cpu_trains_on_a_machine_that_shows_gpus(runs):
