@@ -7,7 +7,7 @@ Datasets (distflow.tasks.prompts.load_prompts):
   unknown format (extension)         ConfigError "unknown extension"       test_data.py::test_unknown_extension
   empty file (or header only)        ConfigError "has no rows"             test_data.py::test_empty_file,
                                                                            every rank: distributed/test_trainer_loop.py
-  unparseable file                   ConfigError "could not read dataset"  test_data.py::test_unparseable_file, here (jsonl)
+  unparseable file                   ConfigError naming the first line that is not JSON  test_data.py::test_unparseable_file, here (jsonl)
   non-UTF-8 bytes (jsonl/json/csv)   ConfigError naming file, byte, offset and line                     here
   prompt column absent               ConfigError listing the columns       test_data.py::test_missing_prompt_key,
                                                                            every rank: distributed/test_trainer_loop.py
@@ -171,7 +171,7 @@ def test_utf8_check_across_chunks():
 
 def test_malformed_json_is_not_called_an_encoding_problem(tmp_path, tokenizer):
     (tmp_path / "d.jsonl").write_text('{"question": "what is one", "label": 1}\n{"question": \n')
-    with pytest.raises(ConfigError, match="could not read dataset") as e:
+    with pytest.raises(ConfigError, match=r"d.jsonl: line 2 is not JSON \(Expecting value at column 14\)") as e:
         load_prompts(task(tmp_path / "d.jsonl"), tokenizer, 64)
     assert "UTF-8" not in str(e.value)
 

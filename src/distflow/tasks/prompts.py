@@ -290,6 +290,8 @@ def _read_rows(path: str, hf_split: str, key: str, hub_split: str | None = None)
     except Exception as e:  # noqa: BLE001 - pyarrow/pandas parse errors come in many types
         if ext in _TEXT_FORMATS and (problem := _utf8_problem(path)):
             raise ConfigError(problem) from e
+        if ext == ".jsonl" and (problem := _jsonl_problem(path)):
+            raise ConfigError(problem) from e
         if isinstance(e, ValueError) and "corresponds to no data" in str(e):  # e.g. a CSV with only a header
             raise ConfigError(f"dataset {path} has no rows") from e
         detail = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
@@ -329,6 +331,23 @@ def _read_hub(path: str, name: str, config: str | None, split: str, key: str) ->
     if not rows:
         raise ConfigError(f"hub dataset {where} has no rows")
     return rows
+
+
+def _jsonl_problem(path: str) -> str | None:
+    """A message naming the first line of a (UTF-8) jsonl file that is not one JSON object; the
+    datasets library says only that generating the dataset failed."""
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line.rstrip("\r\n"))
+            except ValueError as e:
+                reason = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
+                return f"dataset {path}: line {number} is not JSON ({reason}): {line.strip()[:60]!r}"
+            if not isinstance(row, dict):
+                return f"dataset {path}: line {number} is a JSON {type(row).__name__}, not an object of columns"
+    return None
 
 
 def _utf8_problem(path: str) -> str | None:
