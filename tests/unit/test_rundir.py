@@ -146,6 +146,9 @@ def test_an_output_dir_that_cannot_be_created_or_written_stops_with_one_line(tmp
     a_file.write_text("x")
     with pytest.raises(ConfigError, match=rf"^run.output_dir {a_file}/run cannot be created: Not a directory$"):
         RunDir(a_file / "run").lock()
+    too_long = tmp_path / ("n" * 256) / "run"
+    with pytest.raises(ConfigError, match=rf"^run.output_dir {too_long} cannot be created: File name too long$"):
+        RunDir(too_long).check()
     with private_tmpfs(tmp_path / "ro", readonly=True) as ro:
         with pytest.raises(ConfigError, match=rf"^run.output_dir {ro}/run cannot be created: Read-only file system$"):
             RunDir(ro / "run").lock()
@@ -154,10 +157,103 @@ def test_an_output_dir_that_cannot_be_created_or_written_stops_with_one_line(tmp
         assert list(ro.iterdir()) == []
     with private_tmpfs(tmp_path / "full", size="16k") as full:
         filler = fill(full)
-        with pytest.raises(ConfigError, match=rf"^run.output_dir {full}/run is not writable: could not write {full}/run/"
-                                              r".distflow-lock: No space left on device \(0 B free there\)$"):
-            RunDir(full / "run").lock()
-        assert sorted(os.listdir(full)) == ["filler"]  # what the refused launch created is gone again
+        with pytest.raises(ConfigError, match=rf"^run.output_dir {full}/a/run is not writable: could not write "
+                                              rf"{full}/a/run/.distflow-lock: No space left on device \(0 B free "
+                                              r"there\)$"):
+            RunDir(full / "a" / "run").lock()
+        assert sorted(os.listdir(full)) == ["filler"]  # what the refused launch created is gone again, parents too
         filler.unlink()
+        assert RunDir(full / "a" / "run").check() is None  # a pre-flight: passes, and leaves nothing
+        assert sorted(os.listdir(full)) == []
         assert RunDir(full / "run").lock() is None
         RunDir(full / "run").unlock()
+
+
+# ----------------------------------------------------------------------------- between torchrun attempts
+AGENT = """
+import os, subprocess, sys
+rank0 = ("import sys; from distflow.config import ConfigError; from distflow.run.rundir import RunDir\\n"
+         "try:\\n    RunDir(sys.argv[1]).lock()\\nexcept ConfigError as e:\\n    sys.exit(str(e))")
+for restart in sys.stdin:  # one attempt per line, with this TORCHELASTIC_RESTART_COUNT; it locks and exits
+    env = dict(os.environ, TORCHELASTIC_RUN_ID=sys.argv[2], TORCHELASTIC_RESTART_COUNT=restart.strip())
+    attempt = subprocess.run([sys.executable, "-c", rank0, sys.argv[1]], env=env, capture_output=True, text=True)
+    print(attempt.returncode, attempt.stderr.strip(), flush=True)
+"""
+
+
+def _agent(root, run_id: str) -> subprocess.Popen:
+    """A stand-in for torchrun's agent: it starts rank 0's attempts, which lock the folder and exit
+    without unlocking (as a failed rank does), and lives on between them."""
+    proc = subprocess.Popen([sys.executable, "-c", AGENT, str(root), run_id], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert _attempt(proc, 0) == "0"
+    return proc
+
+
+def _attempt(agent: subprocess.Popen, restart: int) -> str:
+    agent.stdin.write(f"{restart}\n")
+    agent.stdin.flush()
+    return agent.stdout.readline().strip()
+
+
+def _end(agent: subprocess.Popen) -> None:
+    agent.stdin.close()
+    agent.wait(timeout=60)  # gone and reaped: no zombie that still looks alive
+    agent.stdout.close()
+
+
+def _launch(monkeypatch, root, run_id: str | None = None, restart: int = 0) -> RunDir:
+    """A launch of rank 0 into `root` (under torchrun: with its run id and restart count)."""
+    for var, value in (("TORCHELASTIC_RUN_ID", run_id), ("TORCHELASTIC_RESTART_COUNT", str(restart))):
+        if run_id is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, value)
+    run = RunDir(root)
+    assert run.lock() is None
+    return run
+
+
+def test_between_two_attempts_of_a_torchrun_run_its_folder_is_still_its_own(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    agent = _agent(out, "run-a")
+    try:
+        record = json.loads((out / ".distflow-lock").read_text())
+        assert (record["run_id"], record["agent_pid"]) == ("run-a", agent.pid)
+        refused = (rf"^run.output_dir {re.escape(str(out))} is in use by another run \(host "
+                   rf"{re.escape(socket.gethostname())}, torchrun agent pid {agent.pid}, run id run-a: restarting its "
+                   r"ranks\); wait for it to end, or choose another run.output_dir$")
+        for run_id, restart in (("run-b", 0), (None, 0), ("run-a", 0)):  # another run; outside torchrun; a fresh launch
+            with pytest.raises(ConfigError, match=refused):
+                _launch(monkeypatch, out, run_id, restart)
+        assert json.loads((out / ".distflow-lock").read_text()) == record  # a refusal leaves the record
+        # the run's own next attempts take the folder over: from its agent, also uncounted (a node
+        # joined), and, with the same run id and a restart count, from another agent
+        assert _attempt(agent, 0) == "0" and json.loads((out / ".distflow-lock").read_text())["pid"] != record["pid"]
+        mine = _launch(monkeypatch, out, "run-a", 1)
+        record = json.loads((out / ".distflow-lock").read_text())
+        assert (record["pid"], record["run_id"], record["agent_pid"]) == (os.getpid(), "run-a", os.getppid())
+        mine.unlock()
+    finally:
+        _end(agent)
+    _end(_agent(out, "run-c"))  # its agent is gone: nothing holds the folder any more
+    _launch(monkeypatch, out, "run-b").unlock()
+
+
+def test_a_reused_agent_pid_or_another_hosts_record_does_not_hold_the_folder(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    with open(f"/proc/{os.getpid()}/stat") as f:  # field 22: when this process started, in ticks after boot
+        started = int(f.read().rsplit(")", 1)[1].split()[19])
+    # an agent that is alive on this host (this process), one whose pid now names a later process, another host's
+    live = {"host": socket.gethostname(), "pid": 1, "started": "2025-01-01 00:00:00", "run_id": "run-a",
+            "agent_pid": os.getpid(), "agent_start": started}
+    for record, held in ((live, True), ({**live, "agent_start": live["agent_start"] - 1}, False),
+                         ({**live, "host": "another-host"}, False)):
+        (out / ".distflow-lock").write_text(json.dumps(record))
+        if held:
+            with pytest.raises(ConfigError, match=rf"\(host {re.escape(socket.gethostname())}, torchrun agent pid "
+                                                  rf"{os.getpid()}, run id run-a: restarting its ranks\)"):
+                _launch(monkeypatch, out, "run-b")
+        else:
+            _launch(monkeypatch, out, "run-b").unlock()

@@ -18,6 +18,16 @@ an exclusive flock on .distflow-lock for the life of its process: a second launc
 run's folder stops with one line naming the holder, and the kernel drops the lock of a process
 that dies however it dies, so a killed run leaves nothing that blocks the next launch.
 
+Under torchrun the lock file also names the run (TORCHELASTIC_RUN_ID) and its agent (the rank's
+parent, with its start time so that a reused pid is not mistaken for it). Between two attempts
+of a restarted run no rank 0 holds the flock; a launch that takes it then but finds the record of
+another run whose agent still lives on this host is refused as if the flock were held, while the
+run's own next attempt takes the folder over: one started by the same agent (also after a node
+joined, which restarts the ranks without counting a restart), or one with the same run id and
+TORCHELASTIC_RESTART_COUNT > 0 (its rank 0 under another agent). An agent that is gone frees the
+folder. A record written on another host cannot be checked from here
+(its pids are that host's): there the gap between attempts stays open.
+
 A fresh start in a folder that holds an earlier run moves exactly these artifacts to
 previous/<time>/ and leaves every other file where it is (a launcher's logs/<job>-<node>.log and
 launch.txt, Hydra's .hydra/, the user's own files). It writes what it moves into a journal in
@@ -81,21 +91,21 @@ class RunDir:
         key = str(self.lockfile.resolve())
         if key in _held:  # this process holds it already (a second plan in one process)
             return None
-        self.created = [p for p in (self.root, self.lockfile) if not p.exists()]
+        self.created = missing_dirs(self.root)
         for _ in range(10):  # again when the holder removed the file as this launch opened it (unlock)
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
                 fd = os.open(self.lockfile, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             except OSError as e:
-                verb = "is not writable" if self.root.is_dir() else "cannot be created"
+                verb = "is not writable" if os.path.isdir(self.root) else "cannot be created"
+                self.unlock()  # what mkdir created
                 raise ConfigError(f"run.output_dir {self.root} {verb}: {e.strerror or e}") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _holder(fd)
+                holder = _holder(_record(fd))
                 os.close(fd)
-                raise ConfigError(f"run.output_dir {self.root} is in use by another run ({holder}); wait for it "
-                                  "to end, or choose another run.output_dir") from None
+                raise ConfigError(_in_use(self.root, holder)) from None
             except OSError as e:  # ENOLCK, ENOSYS: e.g. Lustre mounted without -o flock
                 os.close(fd)
                 return f"{self.lockfile} cannot be locked ({e.strerror}): a second run into this folder is not refused"
@@ -104,7 +114,12 @@ class RunDir:
             os.close(fd)
         else:
             raise ConfigError(f"run.output_dir {self.root} is in use: other launches keep taking its lock")
-        holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        if (record := _record(fd)) and _restarting(record):
+            os.close(fd)  # the record stays: it is that run's
+            self.created = []
+            raise ConfigError(_in_use(self.root, _holder(record, restarting=True)))
+        holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                  **_this_torchrun()}
         _held[key] = fd
         try:
             os.ftruncate(fd, 0)
@@ -115,19 +130,28 @@ class RunDir:
                 from None
         return None
 
+    def check(self) -> str | None:
+        """What lock() would stop this launch with (the same ConfigError), without keeping the lock or
+        anything lock() created: for a pre-flight, before the ranks start."""
+        if str(self.lockfile.resolve()) in _held:
+            return None
+        note = self.lock()
+        self.unlock()
+        return note
+
     def unlock(self) -> None:
         """Give the lock up: at the end of a run, or when a launch stops before it starts (then what
         lock() created goes too, so a refused folder is left as it was). A no-op where not held."""
         fd = _held.pop(str(self.lockfile.resolve()), None)
-        if fd is None:
-            return
-        self.lockfile.unlink(missing_ok=True)  # while still held: a launch that opened it retries
-        os.close(fd)
-        if self.root in getattr(self, "created", []):
+        if fd is not None:
+            self.lockfile.unlink(missing_ok=True)  # while still held: a launch that opened it retries
+            os.close(fd)
+        for folder in getattr(self, "created", []):  # deepest first
             try:
-                self.root.rmdir()
-            except OSError:  # not empty
-                pass
+                folder.rmdir()
+            except OSError:  # not empty, or never made
+                break
+        self.created = []
 
     # ------------------------------------------------------------------ ownership
     def written_by_distflow(self) -> bool:
@@ -211,10 +235,75 @@ def _same_file(fd: int, path: Path) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-def _holder(fd: int) -> str:
+def missing_dirs(path: Path) -> list[Path]:
+    """`path` and those of its parents that do not exist yet, deepest first: what creating it makes."""
+    missing = []
+    for folder in (path, *path.parents):
+        try:
+            os.stat(folder)
+        except FileNotFoundError:
+            missing.append(folder)
+            continue
+        except OSError:  # a name too long, a file in the way, no search permission: nothing is made there
+            pass
+        break
+    return missing
+
+
+def _record(fd: int) -> dict:
+    """What the last holder wrote into the lock file ({} when nothing readable)."""
+    try:
+        record = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _holder(record: dict, restarting: bool = False) -> str:
     """Who holds the lock, as its holder wrote it into the lock file."""
     try:
-        holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
-        return f"host {holder['host']}, pid {holder['pid']}, started {holder['started']}"
-    except (OSError, ValueError, KeyError, TypeError):
+        host, pid, started = record["host"], record["pid"], record["started"]
+    except KeyError:
         return "a run that has not written its host and pid yet"
+    agent = f"torchrun agent pid {record.get('agent_pid')}, run id {record.get('run_id')}"
+    if restarting:
+        return f"host {host}, {agent}: restarting its ranks"
+    return f"host {host}, pid {pid}, started {started}" + (f", {agent}" if "run_id" in record else "")
+
+
+def _in_use(root: Path, holder: str) -> str:
+    return f"run.output_dir {root} is in use by another run ({holder}); wait for it to end, or choose another " \
+        "run.output_dir"
+
+
+def _this_torchrun() -> dict:
+    """This rank's torchrun run and agent, for the lock record ({} outside torchrun)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run_id:
+        return {}
+    agent = os.getppid()  # torchrun's agent starts its ranks itself
+    return {"run_id": run_id, "agent_pid": agent, "agent_start": _started(agent)}
+
+
+def _started(pid: int) -> int | None:
+    """When process `pid` started (clock ticks after boot), None when it is gone (or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == b"Z" else int(fields[19])
+
+
+def _restarting(record: dict) -> bool:
+    """The record is another torchrun run's, whose agent is alive on this host: that run is between
+    two attempts (its rank 0 gone, the next not started yet), and its folder is still its own."""
+    agent, start = record.get("agent_pid"), record.get("agent_start")
+    if not isinstance(agent, int) or start is None or record.get("host") != socket.gethostname():
+        return False  # not written under torchrun, or on another host: nothing to check from here
+    if (agent, start) == (os.getppid(), _started(os.getppid())) and os.environ.get("TORCHELASTIC_RUN_ID"):
+        return False  # this rank's own agent wrote it: a later attempt (after a failure, or a node joining)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restart > 0 and record.get("run_id") == os.environ.get("TORCHELASTIC_RUN_ID"):
+        return False  # that run's next attempt, its rank 0 now under another agent
+    return _started(agent) == start
