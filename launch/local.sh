@@ -31,9 +31,10 @@ else
 fi
 export DISTFLOW_STOP_FILE
 
-# Pre-flight: one process composes and validates the config (no torch.distributed, no model), so
-# a config mistake is one `distflow: error:` line and exit status 2 before any rank starts.
-"$py" "$here/recipes/grpo.py" --check-config "$@" >/dev/null
+# Pre-flight: one process composes and validates the config (no torch.distributed, no model) and
+# checks that run.output_dir can be created, written and locked, so a config mistake or an unusable
+# or busy folder is one `distflow: error:` line and exit status 2 before any rank starts.
+"$py" "$here/recipes/grpo.py" --check-config --with-output-dir "$@" >/dev/null
 
 # torchrun runs as a child, not exec'd, so this script can read the stop file after it ends.
 # torchrun forwards SIGUSR1 to the ranks only when asked to handle it.

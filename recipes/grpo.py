@@ -7,13 +7,24 @@ distflow.trainer.Trainer. The library itself never imports Hydra.
 `python recipes/grpo.py --check-config [overrides ...]` is the launchers' pre-flight
 (launch/local.sh, launch/slurm/): one process composes and validates the config, with no
 torch.distributed and no model, and a mistake stops there as one line and exit status 2 before
-torchrun starts any rank.
+torchrun starts any rank. `--check-config --with-output-dir` (launch/local.sh, whose overrides name
+the folder the ranks will use) also checks that run.output_dir can be created, written and locked.
+
+Hydra creates hydra.run.dir, and rank 0 writes .hydra/ into it, before `main` runs: a run.output_dir
+that cannot be created or written would end in Hydra's traceback on every rank. hydra.run.dir is
+therefore `${distflow_hydra_dir:${run.output_dir}}`: the folder itself when .hydra/ can be written
+there, else a temporary stand-in that `main` removes first; the launch then stops where rank 0
+locks the folder (distflow.run.rundir), with that one line.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 from distflow.run.hostmem import prefer_huge_pages
 from distflow.run.output import (
@@ -32,6 +43,7 @@ from hydra.core.config_store import ConfigStore  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from distflow.config import ConfigError, DistflowConfig, hydra_schema, rename_overrides  # noqa: E402
+from distflow.run.rundir import RunDir, missing_dirs  # noqa: E402
 
 RECIPES_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -39,6 +51,39 @@ ConfigStore.instance().store(name="distflow_schema", node=hydra_schema(DistflowC
 # Data files shipped beside the recipes are addressed as ${recipes_dir:}/data/...,
 # so no path depends on the working directory.
 OmegaConf.register_new_resolver("recipes_dir", lambda: RECIPES_DIR, replace=True)
+_stand_ins: dict[str, str] = {}  # run.output_dir -> the temporary folder Hydra got instead
+
+
+def _hydra_dir(output_dir: str) -> str:
+    """hydra.run.dir: run.output_dir when Hydra can create it and write .hydra/ there (probed with
+    more than Hydra writes), else an empty temporary folder, so that Hydra goes on and the launch
+    stops with the line RunDir.lock gives. Ranks other than 0 write nothing there
+    (hydra.output_subdir=null): they get the system's temporary folder, which exists, and never make
+    run.output_dir before rank 0 has locked it."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return tempfile.gettempdir()
+    if output_dir in _stand_ins:  # Hydra may resolve it more than once
+        return _stand_ins[output_dir]
+    root = Path(output_dir)
+    made = missing_dirs(root / ".hydra")
+    try:
+        (root / ".hydra").mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=root / ".hydra", prefix=".probe-") as f:
+            f.write(b"\0" * 65536)  # more than Hydra's three files
+            f.flush()
+        return output_dir
+    except OSError:
+        for folder in made:  # deepest first
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+    _stand_ins[output_dir] = stand_in = tempfile.mkdtemp(prefix="distflow-hydra-")
+    atexit.register(shutil.rmtree, stand_in, True)  # should main never run
+    return stand_in
+
+
+OmegaConf.register_new_resolver("distflow_hydra_dir", _hydra_dir, replace=True)
 
 
 def _prepare_argv() -> None:
@@ -63,8 +108,9 @@ def _prepare_argv() -> None:
     sys.argv[1:] = args
 
 
-def check_config(overrides: list[str]) -> int:
-    """The pre-flight: 0 when the config composes and validates, else one error line and 2.
+def check_config(overrides: list[str], output_dir: bool = False) -> int:
+    """The pre-flight: 0 when the config composes and validates (and, with `output_dir`, its
+    run.output_dir can be created, written and locked: RunDir.check), else one error line and 2.
     Hydra's own flags (--cfg, -m, ...) are the run's to handle: nothing is checked then."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
@@ -76,7 +122,8 @@ def check_config(overrides: list[str]) -> int:
     try:
         with initialize_config_dir(config_dir=RECIPES_DIR, version_base="1.3"):
             cfg = compose(config_name="grpo", overrides=args)
-        DistflowConfig.from_dict(OmegaConf.to_container(cfg, resolve=True)).validate()
+        config = DistflowConfig.from_dict(OmegaConf.to_container(cfg, resolve=True)).validate()
+        note = RunDir(config.run.output_dir).check() if output_dir else None
     except ConfigError as e:
         report_error(str(e))
         return 2
@@ -91,16 +138,25 @@ def check_config(overrides: list[str]) -> int:
             text += f": {str(cause).strip().splitlines()[0]}"  # what was wrong, without OmegaConf's key dump
         report_error(" ".join(text.split()))
         return 2
+    if note:
+        write_line(f"distflow: warning: {note}", sys.stderr)
     return 0
 
 
 @hydra.main(config_path=".", config_name="grpo", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from distflow.errors import EXIT_ABORTED, EXIT_CONFIG, EXIT_OK, EXIT_STOPPED, RunAborted, RunComplete
-    from distflow.trainer import Trainer
 
+    for stand_in in _stand_ins.values():
+        shutil.rmtree(stand_in, ignore_errors=True)
     try:
         config = DistflowConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
+        if _stand_ins and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            # .hydra/ could not be written there: one process says why before torch loads; under
+            # torchrun rank 0's lock says it (start_run) and every rank reports it
+            RunDir(config.validate().run.output_dir).check()
+        from distflow.trainer import Trainer
+
         trainer = Trainer(config)
     except ConfigError as e:
         report_error(str(e))
@@ -126,7 +182,8 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--check-config"]:
-        sys.exit(check_config(sys.argv[2:]))
+        with_dir = sys.argv[2:3] == ["--with-output-dir"]
+        sys.exit(check_config(sys.argv[3 if with_dir else 2:], output_dir=with_dir))
     # torchelastic's @record (its error file names an uncaught error in torchrun's failure summary),
     # applied here so the pre-flight above never imports torch
     from torch.distributed.elastic.multiprocessing.errors import record
