@@ -143,6 +143,12 @@ def check_config(overrides: list[str], output_dir: bool = False) -> int:
     return 0
 
 
+def _rank_failed(e: Exception) -> None:
+    """Name the failing rank and its error in one line (the traceback follows, for the rank's log);
+    torchrun then stops the others, or they time out in a collective."""
+    write_line(f"distflow: rank {os.environ.get('RANK', '0')} failed: {type(e).__name__}: {e}", sys.stderr)
+
+
 @hydra.main(config_path=".", config_name="grpo", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from distflow.errors import EXIT_ABORTED, EXIT_CONFIG, EXIT_OK, EXIT_STOPPED, RunAborted, RunComplete
@@ -165,14 +171,16 @@ def main(cfg: DictConfig) -> None:
         if os.environ.get("RANK", "0") == "0":
             write_line(f"distflow: {e}")
         sys.exit(EXIT_OK)
+    except Exception as e:
+        _rank_failed(e)
+        raise
     try:
         trainer.train()
     except RunAborted as e:
         report_error(str(e))
         sys.exit(EXIT_ABORTED)
     except Exception as e:
-        # name the failing rank; torchrun then stops the others (or they time out in a collective)
-        write_line(f"distflow: rank {os.environ.get('RANK', '0')} failed: {type(e).__name__}: {e}", sys.stderr)
+        _rank_failed(e)
         raise
     finally:
         trainer.close()
@@ -188,6 +196,10 @@ if __name__ == "__main__":
     # applied here so the pre-flight above never imports torch
     from torch.distributed.elastic.multiprocessing.errors import record
 
+    # Hydra's own composition errors (an unknown group option, a value it cannot convert, a malformed
+    # override) are multi-line reports: the pre-flight's one line comes first, on every rank
+    if status := check_config(sys.argv[1:]):
+        sys.exit(status)
     _prepare_argv()
     try:
         record(main)()
