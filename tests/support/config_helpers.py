@@ -8,7 +8,7 @@ import importlib.util
 from launch_helpers import ROOT
 
 RECIPES = ROOT / "recipes"
-_registered = False
+_recipe = None
 
 
 def fp32_config():
@@ -27,19 +27,26 @@ def fp32_config():
     return cfg
 
 
+def recipe():
+    """recipes/grpo.py as a module, loaded once: it registers the schema in Hydra's ConfigStore and
+    the recipes_dir resolver."""
+    global _recipe
+    if _recipe is None:
+        spec = importlib.util.spec_from_file_location("grpo_recipe", RECIPES / "grpo.py")
+        _recipe = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_recipe)
+    return _recipe
+
+
 def compose(overrides: list[str]):
     """The DistflowConfig a `recipes/grpo.py` command line builds (not yet validated)."""
-    global _registered
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf
 
     from distflow.config import DistflowConfig, rename_overrides
 
-    if not _registered:  # registers the schema in Hydra's ConfigStore and the recipes_dir resolver
-        spec = importlib.util.spec_from_file_location("grpo_recipe", RECIPES / "grpo.py")
-        spec.loader.exec_module(importlib.util.module_from_spec(spec))
-        _registered = True
+    recipe()
     overrides, _ = rename_overrides(list(overrides))
     with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
         tree = hydra_compose("grpo", overrides=overrides)

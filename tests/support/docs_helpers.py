@@ -158,7 +158,45 @@ def write_code_map(readme: Path = ROOT / "README.md") -> None:
     readme.write_text(head + CODE_MAP_HEADING + tail.replace(old, new, 1))
 
 
+TROUBLESHOOTING = ROOT / "docs" / "troubleshooting.md"
+
+
+def generated_block(text: str, name: str) -> str:
+    """What stands between `<!-- name:start -->` and `<!-- name:end -->` in `text`."""
+    match = re.search(rf"<!-- {name}:start -->\n(.*?)<!-- {name}:end -->", text, re.S)
+    assert match, f"no generated block {name!r}"
+    return match.group(1)
+
+
+def fault_table_markdown(faults) -> str:
+    """docs/troubleshooting.md's fault table: one row per fault, grouped by area, in table order."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    out = []
+    for area in dict.fromkeys(f.area for f in faults):
+        out += [f"**{area[0].upper()}{area[1:]}**", "",
+                "| what happened | what distflow prints | what it keeps | what to do |", "|---|---|---|---|"]
+        for f in (f for f in faults if f.area == area):
+            prints = "<br>".join(f"`{cell(line)}`" for line in f.prints)
+            out.append(f"| {cell(f.fault)} | {prints} | {cell(f.keeps)} | {cell(f.next)} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def write_fault_table(page: Path = TROUBLESHOOTING) -> None:
+    from fault_table import FAULTS
+
+    text = page.read_text(encoding="utf-8")
+    head, rest = text.split("<!-- fault-table:start -->\n", 1)
+    tail = rest.split("<!-- fault-table:end -->", 1)[1]
+    block = f"<!-- fault-table:start -->\n{fault_table_markdown(FAULTS)}<!-- fault-table:end -->"
+    page.write_text(head + block + tail, encoding="utf-8")
+
+
 if __name__ == "__main__":
-    if sys.argv[1:] != ["code-map"]:
-        sys.exit("usage: python tests/support/docs_helpers.py code-map   (rewrites README.md's code map)")
-    write_code_map()
+    commands = {"code-map": write_code_map, "fault-table": write_fault_table}
+    if len(sys.argv) != 2 or sys.argv[1] not in commands:
+        sys.exit("usage: python tests/support/docs_helpers.py code-map|fault-table   (rewrites README.md's code map "
+                 "or docs/troubleshooting.md's fault table)")
+    commands[sys.argv[1]]()
