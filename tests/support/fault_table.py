@@ -203,6 +203,12 @@ def _tools(**kw) -> Callable[[Scene], None]:
     return run
 
 
+def _turn_budget(scene: Scene) -> None:
+    from distflow.tasks.envs import ToolEnv
+
+    ToolEnv(tools=["python"], timeout_s=5, max_calls_per_turn=3).check_step_timeout(10.0)
+
+
 def _env(spec: str, args: dict) -> Callable[[Scene], None]:
     def run(scene: Scene) -> None:
         from distflow.tasks.envs import build_env
@@ -526,6 +532,23 @@ FAULTS: list[Fault] = [
           (E + "task.env 'tools' with task.env_args {'colour': 'red'}: TypeError: ToolEnv.__init__() got an "
                "unexpected keyword argument 'colour'",),
           "nothing was started", "Use the class's own arguments.", _env("tools", {"colour": "red"})),
+    Fault("tools-python-timeout", "tools", "`task.env_args.timeout_s=0` with the python tool",
+          (E + "python tool timeout_s must be > 0, got 0",), "nothing was started", "Give a positive time.",
+          _tools(tools=["python"], timeout_s=0)),
+    Fault("tools-python-memory", "tools", "`task.env_args.memory_mib=8` with the python tool",
+          (E + "python tool memory_mib must be >= 32 (the interpreter needs ~15), got 8",), "nothing was started",
+          "Give 32 MiB or more.", _tools(tools=["python"], memory_mib=8)),
+    Fault("tools-turn-budget", "tools", "python calls per turn that cannot finish within the step's time limit",
+          (E + "task.env_args.max_calls_per_turn=3 python calls of up to 6 s each (timeout_s + 1 s start-up) do not "
+               "fit in task.reward_timeout_s=10: lower max_calls_per_turn or timeout_s, or raise task.reward_timeout_s",),
+          "nothing was started", "As the line says.", _turn_budget),
+    Fault("tools-parser", "tools", "`task.env_args.parser=my_mod:parse` that does not import",
+          (E + "tool parser 'my_mod:parse' cannot be imported: ModuleNotFoundError: No module named 'my_mod'",),
+          "nothing was started", "Put the module on the path, or use the built-in hermes parser.",
+          _tools(parser="my_mod:parse")),
+    Fault("env-not-importable", "tools", "`task.env=my_envs:Shop` that does not import",
+          (E + "task.env 'my_envs:Shop' cannot be imported: ModuleNotFoundError: No module named 'my_envs'",),
+          "nothing was started", "Put the module on the path (the launch directory is).", _env("my_envs:Shop", {})),
     # checkpoints
     Fault("checkpoint-torn-auto", "checkpoints", "the newest checkpoint is torn (a shard cut short), "
           "`checkpoint.resume=auto`",
