@@ -1,5 +1,6 @@
-"""Where and how the ranks run: the process group and distflow's few collectives, the device a
-rank trains on, and the parallel layout (FSDP shard degree, engine tensor-parallel groups)."""
+"""Where and how the ranks run: the process group and distflow's few collectives, the agreement
+that stops every rank with the line of one that failed, the device a rank trains on, and the
+parallel layout (FSDP shard degree, engine tensor-parallel groups)."""
 
 from distflow.distributed.collectives import (
                                               DistInfo,
@@ -14,6 +15,8 @@ from distflow.distributed.collectives import (
                                               waited_s,
                                               waiting,
 )
+from distflow.distributed.agreement import agree, agree_failure, one_line, one_rank_may_fail
 
-__all__ = ["DistInfo", "all_reduce", "barrier", "broadcast_object", "complete", "init_distributed", "on_local_rank0_first",
-           "rank_and_world", "shutdown", "waited_s", "waiting"]
+__all__ = ["DistInfo", "agree", "agree_failure", "all_reduce", "barrier", "broadcast_object", "complete",
+           "init_distributed", "on_local_rank0_first", "one_line", "one_rank_may_fail", "rank_and_world", "shutdown",
+           "waited_s", "waiting"]

@@ -23,9 +23,8 @@ import os
 import signal
 import time
 
-import torch.distributed as dist
-
-from distflow.distributed import all_reduce, barrier, rank_and_world, waiting
+from distflow.distributed import all_reduce, barrier
+from distflow.distributed.agreement import failed_rank, failure_code, raise_agreed
 from distflow.errors import RunAborted
 from distflow.run.output import pending_write_failure
 
@@ -33,6 +32,7 @@ log = logging.getLogger("distflow")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 STOP_FILE_ENV = "DISTFLOW_STOP_FILE"  # rank 0 writes {"step", "checkpoint", "signal"} there when it stops
+FREE_SPACE = "Free space and relaunch with the same run.output_dir to continue from its last checkpoint"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,21 +111,14 @@ class StepBoundary:
 
 def _failed_write() -> float:
     """rank + 1 when this rank could not write into the run folder since the last check, else 0."""
-    return float(rank_and_world()[0] + 1) if pending_write_failure() else 0.0
+    return failure_code(pending_write_failure() is not None)
 
 
 def stop_on_failed_write(failed: float, when: str) -> None:
     """Every rank raises the same RunAborted when `failed` (the all_reduced _failed_write) names a rank:
-    that rank's line, broadcast from it."""
-    if not failed:
-        return
-    src = int(failed) - 1
-    box = [pending_write_failure(clear=True)]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        with waiting():
-            dist.broadcast_object_list(box, src=src)
-    raise RunAborted(f"rank {src} {box[0]}; stopped {when}. Free space and relaunch with the same run.output_dir "
-                     "to continue from its last checkpoint")
+    that rank's line, broadcast from it (distflow.distributed.agreement)."""
+    if failed:
+        raise_agreed(failed_rank(failed, pending_write_failure(clear=True)), when, RunAborted, FREE_SPACE)
 
 
 def write_stop_file(stopped: Stopped) -> None:
