@@ -1,6 +1,7 @@
 """Checkpoints on real gloo ranks and real DCP files: every scope saved and loaded back, torn
-checkpoints skipped, a checkpoint of another format refused, a save that fails on one rank
-stopping every rank, and export to a plain HF folder.
+checkpoints skipped, a checkpoint of another format refused, a save that fails on one rank (a
+write, a state_dict() or the fault hook that raises, an error inside DCP) stopping every rank, and
+export to a plain HF folder.
 (Bit-exact resume of whole runs: distributed/test_trainer_loop.py and the e2e engine runs.)"""
 
 import datetime
@@ -31,14 +32,17 @@ from distflow.checkpoint.checkpointer import (
 from distflow.distributed.layout import ParallelLayout
 from distflow.errors import CheckpointSaveError
 from distflow.train.policy import Policy
+from torch.distributed.checkpoint.stateful import Stateful
 
 class _Counter:
-    """A minimal Stateful."""
+    """A minimal Stateful; `broken` makes its state_dict() raise."""
 
     def __init__(self, value):
-        self.value = value
+        self.value, self.broken = value, False
 
     def state_dict(self):
+        if self.broken:
+            raise ValueError(f"the state of rank {self.value} is broken")
         return {"value": self.value}
 
     def load_state_dict(self, state):
@@ -86,6 +90,7 @@ def _save_three_then_fail_two(rank, world, model_dir, out, port):
         except CheckpointSaveError as e:
             failures.append((str(e), time.monotonic() - start))
         _file_size_limit(resource.RLIM_INFINITY)
+    failures += _fail_without_oserror(ck, rank, cfg, model_dir)
     # every scope comes back: a fresh registry loads what the last complete save wrote
     fresh = _checkpointer(out, rank, policy, keep_last=3)
     fresh.registry["per_rank"][1].value = fresh.registry["shared"][1].value = -1
@@ -100,12 +105,48 @@ def _save_three_then_fail_two(rank, world, model_dir, out, port):
     return gathered(failures)
 
 
+class _Unpicklable(Stateful):
+    """A sharded state whose object DCP cannot pickle on rank 0: DCP hands every rank the error."""
+
+    def __init__(self, rank):
+        self.rank = rank
+
+    def state_dict(self):
+        return {f"fn_{self.rank}": (lambda: 0) if self.rank == 0 else 0}  # own keys: DCP keeps one copy of a key
+
+    def load_state_dict(self, state):
+        pass
+
+
+def _fail_without_oserror(ck, rank, cfg, model_dir) -> list[tuple[str, float]]:
+    """Steps 6-8, each failing with something else than an OSError: rank 1's state_dict() raises
+    (before DCP runs), rank 1's fault hook raises once its shards are written (raise_saving), and an
+    object rank 0 cannot pickle fails inside DCP."""
+    from distflow.run.faults import FaultInjector
+
+    failures = []
+    for step in (6, 7, 8):
+        ck.registry["per_rank"][1].broken = step == 6 and rank == 1
+        ck.before_marker = FaultInjector("1:7:raise_saving", rank).before_checkpoint_marker
+        if step == 8:
+            ck.register("unpicklable", _Unpicklable(rank), "sharded")
+        start = time.monotonic()
+        try:
+            ck.save(step, config_record(cfg), model_dir)
+            failures.append(("saved", 0.0))
+        except CheckpointSaveError as e:
+            failures.append((str(e), time.monotonic() - start))
+    ck.registry.pop("unpicklable")
+    ck.registry["per_rank"][1].broken, ck.before_marker = False, None
+    return failures
+
+
 @pytest.fixture(scope="module")
 def saves(tiny_model_dir, tmp_path_factory):
     """Two gloo ranks save steps 1-3, then fail to save steps 4 and 5: (the checkpoints folder as
     they left it, each rank's (error line, seconds) per failed save)."""
     out = tmp_path_factory.mktemp("saves")
-    failures = run_distributed(_save_three_then_fail_two, 2, tiny_model_dir, str(out), free_port(), timeout=120)
+    failures = run_distributed(_save_three_then_fail_two, 2, tiny_model_dir, str(out), free_port(), timeout=240)
     return out / "checkpoints", failures
 
 
@@ -121,6 +162,25 @@ def test_a_failed_write_on_one_rank_stops_every_rank_and_keeps_the_checkpoints(s
     # no .tmp folder is left, nothing was pruned, and the checkpoints before are complete
     assert sorted(p.name for p in root.iterdir()) == ["step_000001", "step_000002", "step_000003"]
     assert all(is_complete(p) for p in root.iterdir()) and latest_checkpoint(root) == root / "step_000003"
+
+
+def test_a_save_that_raises_on_one_rank_stops_every_rank_with_its_line(saves):
+    """Not a write that fails but code that raises, before DCP, after it and inside it: every rank
+    raises the same CheckpointSaveError naming the failing rank, within the save (the collective
+    timeout is 20 s), and the checkpoints stay as they were (checked above: steps 6-8 left nothing)."""
+    root, per_rank = saves
+    kept = f"the save was removed and the latest checkpoint is still {root}/step_000003"
+    lines = [[line for line, _ in failures[2:]] for failures in per_rank]
+    assert lines[0] == lines[1], lines  # the same line on every rank
+    six, seven, eight = lines[0]
+    assert six == (f"checkpoint of step 6: rank 1 raised ValueError: the state of rank 1 is broken; {kept} (rank 1's "
+                   "log has the traceback)")
+    assert seven == (f"checkpoint of step 7: rank 1 raised RuntimeError: injected fault on rank 1 while saving step 7; "
+                     f"{kept} (rank 1's log has the traceback)")
+    # DCP hands the error to both ranks; the line names the rank it happened on
+    assert re.fullmatch(rf"checkpoint of step 8: rank 0 raised \w+: .*pickle.*; {re.escape(kept)} \(rank 0's log has "
+                        r"the traceback\)", eight), eight
+    assert all(seconds < 20 for failures in per_rank for _, seconds in failures[2:])  # not the collective timeout
 
 
 def test_torn_checkpoints_are_skipped_with_a_warning(saves, tmp_path, caplog):

@@ -22,8 +22,9 @@ derives from it (RNGState derives fresh streams from the run seed, the step and 
 
 A checkpoint is data: DCP's files are read through distflow.checkpoint.reader, which runs
 no code from them, and a marker that is not the JSON a save writes is a torn checkpoint. A save
-that fails on any rank (a full disk, a file over its size limit) fails on every rank at the same
-point, with one line, and leaves the previous checkpoint as the latest.
+that fails on any rank (a full disk, a file over its size limit, a state_dict() that raises) fails
+on every rank at the same point with one line, a CheckpointSaveError, and leaves the previous
+checkpoint as the latest.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.checkpoint.stateful import Stateful
 
 from distflow.config import ConfigError
-from distflow.distributed import all_reduce, rank_and_world
+from distflow.distributed import agree_failure, one_line, rank_and_world
 from distflow.checkpoint.reader import is_count, is_plain_name, load_checkpoint
 from distflow.errors import CheckpointSaveError, free_space
 from distflow.seeds import derive_seed
@@ -193,18 +194,29 @@ def _marker(path: Path) -> dict | None:
     return info
 
 
-def _attempt(write: Callable[[], None]) -> OSError | None:
-    """Run `write`; the OSError it met (DCP hands every rank a failure of any rank), else None."""
+def _attempt(phase: Callable[[], None]) -> BaseException | None:
+    """Run one phase of a save; the error it met (an OSError, or what a Stateful or DCP raised), else None."""
     try:
-        write()
-    except OSError as e:
+        phase()
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank learns it (Checkpointer._agree)
+        if not isinstance(e, OSError):
+            log.debug("a checkpoint save failed on this rank", exc_info=True)
         return e
-    except CheckpointException as e:
-        error = next((err for err, _ in e.failures.values() if isinstance(err, OSError)), None)
-        if error is None:
-            raise
-        return error
     return None
+
+
+def _save_failure(error: BaseException, rank: int, tmp: Path, root: Path) -> tuple[str, str]:
+    """(what failed on which rank, what to do). DCP hands every rank a CheckpointException (a
+    BaseException) holding each failing rank's error and traceback: the lowest rank's OSError is
+    named, else the lowest rank's error."""
+    if isinstance(error, CheckpointException):
+        failures = sorted((r, err) for r, (err, _) in error.failures.items())
+        rank, error = next(((r, err) for r, err in failures if isinstance(err, OSError)), failures[0])
+    if isinstance(error, OSError):
+        what = os.strerror(error.errno) if error.errno else "write failed"
+        return f"could not write {tmp}: {what} on rank {rank} ({free_space(root)} free there)", \
+            ": make room and relaunch to resume"
+    return f"rank {rank} raised {type(error).__name__}: {one_line(error)}", f" (rank {rank}'s log has the traceback)"
 
 
 class Checkpointer:
@@ -240,57 +252,60 @@ class Checkpointer:
         """Collective: every rank calls it. `config` (the run's config record) and `model_path` (the
         resolved base model, which export loads) go in the marker, identical on every rank.
 
-        Each rank's writes are checked by the collective that follows them: an OSError on any rank
-        (ENOSPC, EFBIG) is a CheckpointSaveError on every rank there, the `.tmp` folder is removed
-        and nothing is pruned."""
+        Each phase is checked by the agreement that follows it (distflow.distributed.agreement): an
+        error on any rank, an OSError (ENOSPC, EFBIG) or any other (a state_dict() that raises), is a
+        CheckpointSaveError on every rank there, with the same line; the `.tmp` folder is removed and
+        nothing is pruned. Every state_dict() runs in the first phase, before DCP's own collectives,
+        so a rank that fails there never leaves the others inside DCP."""
         final = self.root / f"step_{step:06d}"
         tmp = self.root / f"step_{step:06d}.tmp"
+        states: dict[str, dict[str, Any]] = {}
 
-        def begin() -> None:
-            for torn in self.root.glob("step_*.tmp"):  # saves cut short earlier (no save runs beside this one)
-                shutil.rmtree(torn, ignore_errors=True)
-            tmp.mkdir(parents=True)
+        def prepare() -> None:
+            if self.rank == 0:
+                for torn in self.root.glob("step_*.tmp"):  # saves cut short earlier (no save runs beside this one)
+                    shutil.rmtree(torn, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            for scope in SCOPES:
+                states[scope] = {name: s.state_dict() for name, s in self._scope(scope).items()}
 
         def write_shards() -> None:
-            sharded = self._scope("sharded")
-            if sharded:
-                dcp.save(sharded, checkpoint_id=str(tmp))
-            rank_state = {name: s.state_dict() for name, s in self._scope("rank").items()}
-            (tmp / f"rank_{self.rank}.json").write_text(json.dumps(rank_state))
+            if states["sharded"]:
+                dcp.save(states["sharded"], checkpoint_id=str(tmp))
+            (tmp / f"rank_{self.rank}.json").write_text(json.dumps(states["rank"]))
+
+        def ready() -> None:  # every rank's shards are written; nothing makes them a checkpoint yet
+            if self.before_marker is not None:
+                self.before_marker(step)
 
         def finish() -> None:
+            if self.rank != 0:
+                return
             files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
             (tmp / MARKER).write_text(json.dumps({"format": FORMAT, "step": step, "world_size": rank_and_world()[1],
                                                   "files": files, "config": config, "model_path": model_path,
-                                                  "state": shared}))
+                                                  "state": states["shared"]}))
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             self._prune()  # only once this save is complete
 
-        self._agree(_attempt(begin) if self.rank == 0 else None, step, tmp)
-        self._agree(_attempt(write_shards), step, tmp)
-        shared = {name: s.state_dict() for name, s in self._scope("shared").items()}
-        if self.before_marker is not None:
-            self.before_marker(step)
-        self._agree(_attempt(finish) if self.rank == 0 else None, step, tmp)
+        for phase in (prepare, write_shards, ready, finish):
+            error = _attempt(phase)
+            self._agree(None if error is None else _save_failure(error, self.rank, tmp, self.root), step, tmp)
         return final
 
-    def _agree(self, error: OSError | None, step: int, tmp: Path) -> None:
-        """Collective (the barrier between a save's phases): every rank learns whether any rank's
-        writes failed; if one did, rank 0 removes `tmp` and every rank raises the same line."""
-        code = float((error.errno or 0) * 65536 + self.rank + 1) if error is not None else 0.0
-        code = int(all_reduce([code], op="max")[0])
-        if code == 0:
+    def _agree(self, failure: tuple[str, str] | None, step: int, tmp: Path) -> None:
+        """Collective (the barrier between a save's phases): every rank learns whether any rank
+        failed; if one did, rank 0 removes `tmp` and every rank raises the same line."""
+        found = agree_failure(failure)
+        if found is None:
             return
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        errno, rank = divmod(code - 1, 65536)
+        _, (what, then) = found
         previous = latest_checkpoint(self.root)
-        what = os.strerror(errno) if errno else "write failed"
-        raise CheckpointSaveError(
-            f"checkpoint of step {step}: could not write {tmp}: {what} on rank {rank} ({free_space(self.root)} free "
-            f"there); the save was removed and the latest checkpoint is still {previous or 'none'}: make room and "
-            "relaunch to resume")
+        raise CheckpointSaveError(f"checkpoint of step {step}: {what}; the save was removed and the latest checkpoint "
+                                  f"is still {previous or 'none'}{then}")
 
     def _prune(self) -> None:
         try:
