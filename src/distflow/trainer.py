@@ -10,6 +10,15 @@ the `Validator` (when held-out evaluation runs), the checkpointer and the step b
 save or stop). Observers (distflow.metrics.timer) watch phases from outside: benchmarks and
 test-only fault injection never patch this class. Algorithms differ only in the functions the
 config selects (distflow.algorithms.registry).
+
+A rank that raises where its peers do not would leave them in their next collective until its
+timeout. The step's rank-local regions therefore run under `one_rank_may_fail`
+(distflow.distributed.agreement), which stops every rank with the failing rank's line: building the
+batch, waiting for the rewards (the reward workers), and the step's report (rank 0's metric writes
+and the observers). The other phases cannot be guarded so: generation and balancing, the logprob
+pass, advantages, the update, the resync and the probe all hold collectives (FSDP's, vLLM's,
+distflow's all_reduces), and a rank that failed inside one would skip a collective its peers
+enter; the checkpoint save agrees after each of its own phases (distflow.checkpoint.checkpointer).
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from pathlib import Path
 from distflow.checkpoint.checkpointer import POLICY, Checkpointer
 from distflow.checkpoint.export import export_live
 from distflow.config import DistflowConfig
-from distflow.distributed import shutdown, waited_s
+from distflow.distributed import one_rank_may_fail, shutdown, waited_s
 from distflow.errors import RunAborted
 from distflow.metrics.report import Reporter, StepRecord
 from distflow.metrics.timer import PhaseTimer
@@ -82,8 +91,9 @@ class Trainer:
             metrics = self.train_step()
             metrics.update(self.validator.after_step(self.step))
             self.last_metrics = metrics
-            self.reporter.log(self.step, metrics)
-            self.timer.notify("on_step_end", self.step, metrics)
+            with one_rank_may_fail(f"writing the report of step {self.step}"):
+                self.reporter.log(self.step, metrics)
+                self.timer.notify("on_step_end", self.step, metrics)
             self.check_finite_streak()
             if self.end_step():
                 return
@@ -94,11 +104,13 @@ class Trainer:
         t0, waited0 = time.perf_counter(), waited_s()
         rollouts, pending = self.rollout.collect(self.step)
         self.rollout.sleep()
-        batch = self.learner.batch(rollouts.samples)
+        with one_rank_may_fail(f"building the batch of step {self.step}"):
+            batch = self.learner.batch(rollouts.samples)
         with phase("logprob"):
             plan = self.learner.plan(batch)
             logprobs = self.learner.logprobs(plan)
-        with phase("reward"):  # what scoring did not hide behind the logprob pass
+        # what scoring did not hide behind the logprob pass
+        with one_rank_may_fail(f"waiting for the rewards of step {self.step}"), phase("reward"):
             rewards = pending.result()
         batch = self.learner.advantages(batch, rewards, logprobs)
         batch = self.timer.passed("on_batch", self.step, batch)

@@ -2,7 +2,8 @@
 status 2 before torchrun starts. Under bare torchrun: a config or input mistake is one `distflow:
 error:` line per rank that reaches it, named in torchrun's failure summary, with nothing loaded; a
 rank killed mid-run is restarted by torchrun and resumes; a rank that raises fails the job with its
-own error, and a second launch into its folder while it is live is refused; nodes launched with
+own error, and a second launch into its folder while it is live is refused; a rank that raises
+where the ranks agree on failures (its report) stops every rank with its line; nodes launched with
 different overrides are refused; Hydra's multirun is refused. The other config and data errors, and
 every rank saying each, are checked in-process on 2 ranks (distributed/test_trainer_loop.py): these
 few prove the behaviour through the real entry points."""
@@ -109,6 +110,22 @@ def test_raising_rank_fails_the_job_with_its_error_and_a_second_launch_meanwhile
     failed = "distflow: rank 1 failed: RuntimeError: injected fault on rank 1 at step 2"
     assert failed in (tmp_path / "first.err").read_text()
     assert [r["step"] for r in read_metrics(out)] == [1]
+
+
+def test_a_rank_that_raises_in_its_report_stops_every_rank_with_its_line(tmp_path):
+    """A rank-local region the ranks agree on (distflow.distributed.agreement): rank 1 raises in step
+    1's report, and every rank prints that rank's line and exits with EXIT_ABORTED, instead of rank 0
+    waiting in its next collective (60 s here) for torchrun to stop it."""
+    from distflow.errors import EXIT_ABORTED
+
+    proc = torchrun([*BASE, "rollout=hf", f"run.output_dir={tmp_path}", "run.steps=1", "run.collective_timeout_s=60",
+                     "run.fault_inject=1:1:raise_report"], timeout=300, torchrun_args=["--monitor-interval=1"])
+    line = ("distflow: error: rank 1 raised RuntimeError: injected fault on rank 1 in the report of step 1; stopped "
+            "writing the report of step 1")
+    assert proc.returncode == EXIT_ABORTED, proc.stderr[-3000:]
+    assert proc.stderr.splitlines().count(line) == 2, proc.stderr[-3000:]  # one line from each rank
+    assert "distflow: rank " not in proc.stderr, proc.stderr[-3000:]  # no rank ended on its own, unagreed error
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1]
 
 
 def test_multirun_under_torchrun_is_refused_and_old_spellings_are_noted_once(tmp_path):

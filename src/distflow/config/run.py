@@ -3,9 +3,14 @@ executes, its probes and guards)."""
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from distflow.config.fields import knob, section
+
+# run.fault_inject's modes (distflow.run.faults), besides sleep=S
+FAULT_MODES = ("kill", "raise", "nan", "kill_saving", "raise_saving", "raise_report", "stale_resync")
+_FAULT_SPEC = re.compile(rf"\d+:\d+\+?(:({'|'.join(FAULT_MODES)}|sleep=\d+(\.\d+)?))?")
 
 
 @section
@@ -44,10 +49,11 @@ class RunConfig:
         "(glibc's M_MMAP_THRESHOLD, distflow.run.hostmem); 0: glibc's default, which climbs to 32 MiB and "
         "keeps freed activations resident (bench/memory.py).", operational=True)
     fault_inject: str = knob(
-        "", "Test-only: RANK:STEP[:kill|raise|nan|kill_saving|sleep=S|stale_resync] fails that rank during that step "
-        "(STEP+: that step and every later one; nan makes its loss NaN; sleep=S delays it S seconds before its update; "
-        "kill_saving kills it in the middle of that step's checkpoint write; stale_resync leaves a tensor out of its "
-        "resync).", operational=True)
+        "", "Test-only: RANK:STEP[:kill|raise|nan|kill_saving|raise_saving|raise_report|sleep=S|stale_resync] fails "
+        "that rank during that step (STEP+: that step and every later one; kill, the default, and raise fail it before "
+        "its update; nan makes its loss NaN; sleep=S delays it S seconds before its update; kill_saving kills it and "
+        "raise_saving raises in the middle of that step's checkpoint write; raise_report raises as that step's metrics "
+        "are written; stale_resync leaves a tensor out of its resync).", operational=True)
 
     def checks(self) -> list[tuple[bool, str]]:
         return [
@@ -60,4 +66,7 @@ class RunConfig:
              f"got {self.host_mmap_threshold_kib}"),
             (self.backend != "nccl" or self.device != "cpu",
              "run.backend=nccl needs CUDA, but run.device=cpu (use gloo or auto)"),
+            (not self.fault_inject or _FAULT_SPEC.fullmatch(self.fault_inject) is not None,
+             f"run.fault_inject must be RANK:STEP[+][:MODE], MODE one of {', '.join(FAULT_MODES)} or sleep=S; "
+             f"got '{self.fault_inject}'"),
         ]

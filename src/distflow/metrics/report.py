@@ -211,7 +211,12 @@ def run_summary(steps: int, wall_s: float, world_size: int, evaluations: dict[st
 
 class Reporter:
     """The run's metrics as one component: each step's record turned into metric keys (a collective),
-    logged by rank 0, a lagging rank named, and the run's summary at the end."""
+    logged by rank 0, a lagging rank named, and the run's summary at the end.
+
+    `metrics` is a collective; `log` and `finish` hold none (rank 0 writes, every rank reads the
+    reduced metrics). The trainer runs `log` under `one_rank_may_fail`, so an error there stops every
+    rank with its line; `finish` is left alone: nothing collective follows it, rank 0's error (a
+    RunAborted naming the file) is the job's and the other ranks have finished."""
 
     def __init__(self, cfg: DistflowConfig, run_dir: RunDir, is_main: bool, world_size: int, record: dict,
                  resumed_step: int = 0):
@@ -224,6 +229,8 @@ class Reporter:
         return step_report(self.cfg, record)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Rank 0 writes the step's row; a failed write into the run folder is noted, not raised
+        (distflow.run.output), and stops every rank at the step's end."""
         self.logger.log(metrics)
         if note := self.stragglers.observe(metrics):
             log.warning(f"step {step}: {note}")

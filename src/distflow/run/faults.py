@@ -1,7 +1,11 @@
 """Test-only fault injection (run.fault_inject): how the tests make a rank die, raise, lag
-behind the others or produce NaN losses at a chosen step of a real run, die in the middle of a
-checkpoint write, or leave a tensor out of a resync. The injector is an observer of the run
-(distflow.metrics.timer): the trainer has no fault code of its own."""
+behind the others or produce NaN losses at a chosen step of a real run, die or raise in the middle
+of a checkpoint write, raise in the step's report, or leave a tensor out of a resync. The injector
+is an observer of the run (distflow.metrics.timer): the trainer has no fault code of its own.
+
+`raise` fails the rank where nothing agrees on it (its peers wait in their next collective until
+torchrun stops them); `raise_saving` and `raise_report` raise inside regions the ranks agree on
+(distflow.distributed.agreement), so every rank stops with that rank's line."""
 
 from __future__ import annotations
 
@@ -11,6 +15,9 @@ import time
 from typing import Iterable
 
 import torch
+
+# the modes (distflow.config.run.FAULT_MODES) another hook than on_batch acts on
+ELSEWHERE = ("kill_saving", "raise_saving", "raise_report", "stale_resync")
 
 
 def _hit(spec: str, rank: int, step: int) -> str | None:
@@ -23,9 +30,9 @@ def _hit(spec: str, rank: int, step: int) -> str | None:
 
 
 class FaultInjector:
-    """Test-only: run.fault_inject="RANK:STEP[:kill|raise|nan|kill_saving|sleep=S|stale_resync]" fails
-    that rank during that step ("STEP+" = that step and every later one), on the first attempt only
-    (torchrun restarts set TORCHELASTIC_RESTART_COUNT)."""
+    """Test-only: run.fault_inject="RANK:STEP[:MODE]" (distflow.config.run.FAULT_MODES) fails that rank
+    during that step ("STEP+" = that step and every later one), on the first attempt only (torchrun
+    restarts set TORCHELASTIC_RESTART_COUNT)."""
 
     def __init__(self, spec: str, rank: int):
         self.spec, self.rank = spec, rank
@@ -34,7 +41,7 @@ class FaultInjector:
         """Before the update: `nan` poisons the rank's advantages, so its loss is NaN; `sleep=S` makes
         the rank S seconds slower (a straggler the others wait for); `raise` and `kill` fail it."""
         mode = _hit(self.spec, self.rank, step)
-        if mode in (None, "kill_saving", "stale_resync"):
+        if mode is None or mode in ELSEWHERE:
             return batch
         if mode.startswith("sleep="):
             time.sleep(float(mode.removeprefix("sleep=")))
@@ -49,9 +56,16 @@ class FaultInjector:
     def before_checkpoint_marker(self, step: int) -> None:
         """"RANK:STEP:kill_saving": that rank dies by SIGKILL once every rank has written its shards of
         STEP's checkpoint and before the marker makes it complete, as when a grace period runs out
-        mid-save."""
-        if _hit(self.spec, self.rank, step) == "kill_saving":
+        mid-save; "RANK:STEP:raise_saving": that rank raises a RuntimeError there instead."""
+        if (mode := _hit(self.spec, self.rank, step)) == "kill_saving":
             os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "raise_saving":
+            raise RuntimeError(f"injected fault on rank {self.rank} while saving step {step}")
+
+    def on_step_end(self, step: int, metrics: dict) -> None:
+        """"RANK:STEP:raise_report": that rank raises as STEP's metrics are written."""
+        if _hit(self.spec, self.rank, step) == "raise_report":
+            raise RuntimeError(f"injected fault on rank {self.rank} in the report of step {step}")
 
     def on_weights(self, step: int, weights: Iterable) -> Iterable:
         """"RANK:STEP:stale_resync": that rank's resync at STEP (the one after STEP's update, or the
