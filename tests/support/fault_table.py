@@ -187,6 +187,19 @@ def _reward(spec: str) -> Callable[[Scene], None]:
     return run
 
 
+def _scored(mode: str, workers: int, timeout_s: float = 5.0) -> Callable[[Scene], None]:
+    """A reward that misbehaves (tests/support/rewards_for_tests.py) scored by a real reward pool."""
+    def run(scene: Scene) -> None:
+        from distflow.tasks.rewards.pool import RewardPool
+
+        call = ("prompt", "abcd", [1, 2, 3], {"answer": "4", "mode": mode})
+        with RewardPool("rewards_for_tests:misbehave", workers=workers, timeout_s=timeout_s) as pool:
+            pool.wait_ready()
+            rewards, _ = pool.score([call, call])
+        assert rewards == [0.0, 0.0]
+    return run
+
+
 def _rewards(combination: dict) -> Callable[[Scene], None]:
     def run(scene: Scene) -> None:
         from distflow.tasks.rewards.registry import RewardSpec
@@ -227,7 +240,8 @@ def _resume(mode: str, damage: Callable[[Path], None] = lambda c: None, steps: i
 
         damage(scene.checkpoint)
         cfg = saved_config()
-        cfg.run.output_dir, cfg.run.steps, cfg.checkpoint.resume = str(scene.tmp / "run"), steps, mode
+        cfg.run.output_dir, cfg.run.steps = str(scene.tmp / "run"), steps
+        cfg.checkpoint.resume = mode.replace("<tmp>", str(scene.tmp))
         RunDir(scene.tmp / "run").claim()
         for key, value in changes.items():
             section, name = key.split("__")
@@ -511,14 +525,26 @@ FAULTS: list[Fault] = [
           (E + "reward 'numeric' with weight 'high': need a spec string and a finite weight",),
           "nothing was started", "Give each reward a finite number.", _rewards({"numeric": "high"})),
     Fault("reward-raises", "reward module", "a reward function that raises on some samples",
-          (W + "reward my_rewards:score raised on <N> sample(s) (scored 0.0): ValueError: ...",),
-          "the step; those samples score 0.0, counted as `reward/errors`", "Fix the function; the run goes on.",
-          None, "tests/unit/test_reward_pool.py::test_raise_scores_zero_counts_and_logs_once"),
+          (W + "reward 'rewards_for_tests:misbehave' raised on completion 'abcd': ValueError: deliberate failure in "
+               "misbehave; scored 0.0 (logged once, later ones only counted)",),
+          "the step; those samples score 0.0, counted as `reward/errors`; the traceback is in the rank's log",
+          "Fix the function; the run goes on.", _scored("raise", workers=0)),
     Fault("reward-hangs", "reward module", "a reward function that never returns",
-          (W + "reward my_rewards:score timed out after <N> s on <N> sample(s) (scored 0.0); its worker was replaced",),
-          "the step; those samples score 0.0, counted as `reward/timeouts`",
-          "Fix the function, or raise `task.reward_timeout_s`.",
-          None, "tests/unit/test_reward_pool.py::test_hang_is_bounded_and_others_proceed"),
+          (W + "reward 'rewards_for_tests:misbehave' timed out on completion 'abcd'<N>; scored 0.0 (logged once, later "
+               "ones only counted)",),
+          "the step; those samples score 0.0 after `task.reward_timeout_s`, counted as `reward/timeouts`; the "
+          "worker is replaced", "Fix the function, or raise `task.reward_timeout_s`.",
+          _scored("hang", workers=1, timeout_s=0.5)),
+    Fault("reward-kills-worker", "reward module", "a reward function that kills its process (a crash in native code)",
+          (W + "reward 'rewards_for_tests:misbehave' killed its worker process on completion 'abcd'<N>; scored 0.0 "
+               "(logged once, later ones only counted)",),
+          "the step; those samples score 0.0, counted as `reward/errors`; the worker is replaced",
+          "Fix the function.", _scored("segv", workers=1)),
+    Fault("reward-not-a-number", "reward module", "a reward function that returns something other than a number",
+          (W + "reward 'rewards_for_tests:misbehave' returned a non-number on completion 'abcd'<N>; scored 0.0 (logged "
+               "once, later ones only counted)",),
+          "the step; those samples score 0.0, counted as `reward/invalid`", "Return a float.",
+          _scored("str", workers=0)),
     # tools
     Fault("tools-unknown", "tools", "`task.env_args.tools=[calculator,browser]`",
           (E + "unknown tool 'browser'; the built-in tools are calculator, python",), "nothing was started",
@@ -574,8 +600,7 @@ FAULTS: list[Fault] = [
           "not a complete checkpoint",
           (E + "checkpoint.resume='<tmp>' is not a complete checkpoint folder: it has no COMPLETE "
                "marker (its save did not finish)",),
-          "every file as it was", "Name a `step_*` folder that holds a marker.", None,
-          "tests/unit/test_fault_table.py::test_named_checkpoint_that_is_not_one"),
+          "every file as it was", "Name a `step_*` folder that holds a marker.", _resume("<tmp>")),
     Fault("checkpoint-different-run", "checkpoints", "relaunching into a run folder with other settings "
           "(`optim.lr` changed), `checkpoint.resume=auto`",
           (E + "<tmp>/run holds a different run (optim.lr: 1e-05 -> 0.001). Start a new run with "
@@ -598,7 +623,7 @@ FAULTS: list[Fault] = [
                "torch.Size([512, 64]) and current: torch.Size([512, 128]) for policy.model.model.embed_tokens.weight; "
                "it was written by a run with another model or model config (checkpoint.resume=never starts afresh)",),
           "every file as it was", "Resume with the model it was written with, or start afresh.", _other_model),
-    # file system
+    # file system (and what the run meets later)
     Fault("fs-not-a-directory", "file system", "`run.output_dir` through a file (ENOTDIR)",
           (E + "run.output_dir <tmp>/a_file/run cannot be created: Not a directory",),
           "nothing was written", "Pick another `run.output_dir`.", _lock_under(_through_a_file)),
@@ -621,4 +646,34 @@ FAULTS: list[Fault] = [
     Fault("fs-name-too-long", "file system", "`run.output_dir` with a name over 255 bytes (ENAMETOOLONG)",
           (E + "run.output_dir <tmp>/" + "x" * 300 + " cannot be created: File name too long",),
           "nothing was written", "Pick a shorter name.", _lock_under(lambda t: t / ("x" * 300))),
+    # the run: faults met after start-up, each checked by the test named (they need several ranks or a run)
+    Fault("run-rank-raises", "run", "a rank raises in a rank-local part of a step (building the batch, waiting for "
+          "the rewards, the step's report)",
+          (E + "rank <N> raised RuntimeError: <N>; stopped writing the report of step <N>",),
+          "every complete checkpoint; the failing rank's log has the traceback (exit status 1, all ranks within "
+          "seconds)", "Fix what the line names and relaunch with the same `run.output_dir` to resume.",
+          None, "tests/e2e/test_failures.py::test_a_rank_that_raises_in_its_report_stops_every_rank_with_its_line"),
+    Fault("run-save-raises", "run", "a checkpoint save raises on one rank (not a write error)",
+          (E + "checkpoint of step <N>: rank <N> raised ValueError: <N>; the save was removed and the latest checkpoint "
+               "is still <N> (rank <N>'s log has the traceback)",),
+          "the previous checkpoints; the torn save is removed", "Fix the cause and relaunch to resume.",
+          None, "tests/distributed/test_checkpoint.py::test_a_save_that_raises_on_one_rank_stops_every_rank_with_its_line"),
+    Fault("run-disk-full", "run", "the disk under the run folder fills up during the run",
+          (E + "rank <N> could not write <N>/metrics.jsonl: No space left on device (<N> free there); stopped after step "
+               "<N>. Free space and relaunch with the same run.output_dir to continue from its last checkpoint",),
+          "every complete checkpoint and every complete metric row", "Free space and relaunch.",
+          None, "tests/distributed/test_write_failures.py::test_a_full_disk_stops_every_rank_together_with_one_line"),
+    Fault("run-nonfinite", "run", "the loss or gradient norm is not finite for `run.max_nonfinite_steps` steps",
+          (E + "step <N>: the loss or gradient norm was not finite for <N> consecutive steps (run.max_nonfinite_steps); "
+               "stopping",),
+          "every complete checkpoint (the non-finite updates were skipped)",
+          "Lower `optim.lr`, check the rewards, or resume from an earlier checkpoint.",
+          None, "tests/distributed/test_trainer_loop.py::test_nonfinite_steps_in_a_row_stop_every_rank"),
+    Fault("run-engine-mismatch", "run", "the engine does not compute what the policy trains (a resync left a tensor "
+          "out)",
+          (E + "step <N>: the engine's logprobs differ from the policy's by up to <N> (qwen2, float32; at most <N> "
+               "expected): <N> run.allow_engine_mismatch=true trains anyway",),
+          "every complete checkpoint; nothing was trained on the bad samples",
+          "Report it with the line; `run.allow_engine_mismatch=true` trains anyway.",
+          None, "tests/distributed/test_trainer_loop.py::test_an_engine_that_does_not_hold_the_policy_stops_the_run"),
 ]

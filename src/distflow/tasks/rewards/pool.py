@@ -59,6 +59,12 @@ from distflow.tasks.rewards.registry import RewardSpec, load_reward
 log = logging.getLogger("distflow")
 START_TIMEOUT_S = 120.0  # a worker that cannot import its rewards in this time is an environment problem
 _STAT_KEY = {"error": "errors", "crash": "errors", "invalid": "invalid", "timeout": "timeouts"}
+def _last_line(detail: object) -> str:
+    """`: <the report's last line>` (a traceback's exception line), or nothing."""
+    lines = [x.strip() for x in str(detail).strip().splitlines() if x.strip()]
+    return f": {lines[-1][:300]}" if lines else ""
+
+
 _WHAT = {"error": "raised", "crash": "killed its worker process", "invalid": "returned a non-number",
          "timeout": "timed out"}
 # What reward and environment workers see of this process's environment: where things are (paths, caches,
@@ -232,8 +238,8 @@ class TaskWorkers:
             if kind == "ok":
                 rewards[i] += weight * value
                 continue
-            self._failed(stats, kind, spec, "reward %r %s on completion %r; scored 0.0 (logged once, later ones only "
-                         "counted):\n%s", spec, _WHAT[kind], str(calls[i][1])[:200], value)
+            self._failed(stats, kind, spec, f"reward {spec!r} {_WHAT[kind]} on completion {str(calls[i][1])[:200]!r}"
+                         f"{_last_line(value)}; scored 0.0 (logged once, later ones only counted)", value)
         return rewards, stats
 
     def steps(self, calls: list[tuple[dict, list[dict]]]) -> tuple[list[tuple[str, object]], dict[str, int]]:
@@ -243,9 +249,9 @@ class TaskWorkers:
         results, stats = self._run([(i, len(self.components)) for i in range(len(calls))], calls)
         for call, (kind, value) in zip(calls, results):
             if kind != "ok":
-                self._failed(stats, kind, "env", "environment %r %s on a turn %r; the episode ends there (logged once, "
-                             "later ones only counted):\n%s", self._env[0], _WHAT[kind],
-                             str(call[1][-1].get("content"))[:200], value)
+                self._failed(stats, kind, "env", f"environment {self._env[0]!r} {_WHAT[kind]} on a turn "
+                             f"{str(call[1][-1].get('content'))[:200]!r}{_last_line(value)}; the episode ends there "
+                             "(logged once, later ones only counted)", value)
         return results, stats
 
     def _run(self, units, calls) -> tuple[list, dict[str, int]]:
@@ -257,12 +263,14 @@ class TaskWorkers:
         env = len(self.components)
         return [_call(self._fns[c], calls[i], step=c == env) for i, c in units], stats
 
-    def _failed(self, stats: dict, kind: str, key: str, message: str, *args) -> None:
-        """Count a failed unit; log the first failure of each kind per key (a reward spec, or the env)."""
+    def _failed(self, stats: dict, kind: str, key: str, line: str, detail: object) -> None:
+        """Count a failed unit; log the first failure of each kind per key (a reward spec, or the env):
+        one line on the console, the worker's whole report (a traceback) in the rank's log."""
         stats[_STAT_KEY[kind]] += 1
         if (kind, key) not in self._logged:
             self._logged.add((kind, key))
-            log.warning(message, *args)
+            log.warning(line)
+            log.debug(f"{line}; what the worker reported:\n{detail}")
 
     def _run_in_workers(self, units, calls, stats) -> list:
         results: list = [None] * len(units)
