@@ -83,12 +83,7 @@ def _save_three_then_fail_two(rank, world, model_dir, out, port):
         if rank == who and when == "shards":
             _file_size_limit(1024)
         ck.before_marker = (lambda _: _file_size_limit(1024)) if rank == who and when == "marker" else None
-        start = time.monotonic()
-        try:
-            ck.save(step, config_record(cfg), model_dir)
-            failures.append(("saved", 0.0))
-        except CheckpointSaveError as e:
-            failures.append((str(e), time.monotonic() - start))
+        failures.append(_save_timed(ck, step, cfg, model_dir))
         _file_size_limit(resource.RLIM_INFINITY)
     failures += _fail_without_oserror(ck, rank, cfg, model_dir)
     # every scope comes back: a fresh registry loads what the last complete save wrote
@@ -118,6 +113,16 @@ class _Unpicklable(Stateful):
         pass
 
 
+def _save_timed(ck, step, cfg, model_dir) -> tuple[str, float]:
+    """("saved", 0.0), or the CheckpointSaveError's line and how long the save took to fail."""
+    start = time.monotonic()
+    try:
+        ck.save(step, config_record(cfg), model_dir)
+        return "saved", 0.0
+    except CheckpointSaveError as e:
+        return str(e), time.monotonic() - start
+
+
 def _fail_without_oserror(ck, rank, cfg, model_dir) -> list[tuple[str, float]]:
     """Steps 6-8, each failing with something else than an OSError: rank 1's state_dict() raises
     (before DCP runs), rank 1's fault hook raises once its shards are written (raise_saving), and an
@@ -130,12 +135,7 @@ def _fail_without_oserror(ck, rank, cfg, model_dir) -> list[tuple[str, float]]:
         ck.before_marker = FaultInjector("1:7:raise_saving", rank).before_checkpoint_marker
         if step == 8:
             ck.register("unpicklable", _Unpicklable(rank), "sharded")
-        start = time.monotonic()
-        try:
-            ck.save(step, config_record(cfg), model_dir)
-            failures.append(("saved", 0.0))
-        except CheckpointSaveError as e:
-            failures.append((str(e), time.monotonic() - start))
+        failures.append(_save_timed(ck, step, cfg, model_dir))
     ck.registry.pop("unpicklable")
     ck.registry["per_rank"][1].broken, ck.before_marker = False, None
     return failures
