@@ -54,13 +54,9 @@ class EngineGroup:
         parts = self._gather((("prompt_logprobs",), seqs))
         return self._mine(parts, self.engine.prompt_logprobs([s for part in parts for s in part[1]]))
 
-    @property
-    def version(self) -> int:
-        return self.engine.version
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Every rank streams the full tensors; vLLM's loader keeps each worker's slice."""
-        self.engine.load_weights(weights, version)
+        self.engine.load_weights(weights)
 
     def sleep(self) -> None:
         self.engine.sleep()
