@@ -54,9 +54,13 @@ class EngineGroup:
         parts = self._gather((("prompt_logprobs",), seqs))
         return self._mine(parts, self.engine.prompt_logprobs([s for part in parts for s in part[1]]))
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
         """Every rank streams the full tensors; vLLM's loader keeps each worker's slice."""
-        self.engine.load_weights(weights)
+        self.engine.load_weights(weights, version)
 
     def sleep(self) -> None:
         self.engine.sleep()

@@ -36,6 +36,7 @@ from distflow.config import MAX_ENGINE_LORA_RANK, ConfigError, ModelConfig, Roll
 from distflow.distributed.devices import compute_dtype, concrete
 from distflow.models.adapter_folder import AdapterFolder
 from distflow.models.weight_names import CheckpointNames
+from distflow.rollout.base import Request, generate_by_steps
 from distflow.sample import Sample
 
 
@@ -155,6 +156,26 @@ def _repack_cpu_experts(worker) -> None:
             kernel.fused_experts.process_weights_after_loading(module)
 
 
+class _Running:
+    """A submitted request's samples as vLLM's DELTA outputs arrive: tokens, logprobs, how each ended."""
+
+    def __init__(self, request: Request):
+        self.request = request
+        self.tokens: list[list[int]] = [[] for _ in range(request.n)]
+        self.logprobs: list[list[float]] = [[] for _ in range(request.n)]
+        self.reasons: list[str | None] = [None] * request.n
+
+    def add(self, index: int, tokens: list[int], logprobs, reason: str | None) -> None:
+        self.tokens[index] += tokens
+        self.logprobs[index] += [lp[t].logprob for lp, t in zip(logprobs, tokens)] if logprobs else [0.0] * len(tokens)
+        self.reasons[index] = reason or self.reasons[index]
+
+    def samples(self, partial: bool = False) -> list[Sample]:
+        prompt = list(self.request.prompt_ids)
+        return [Sample(prompt, ids, lps, truncated=partial or reason == "length")
+                for ids, lps, reason in zip(self.tokens, self.logprobs, self.reasons)]
+
+
 class VLLMEngine:
     def __init__(self, model_path: str, model: ModelConfig, rollout: RolloutConfig, device: torch.device, seed: int):
         on_cpu = device.type == "cpu"
@@ -206,42 +227,62 @@ class VLLMEngine:
         self.llm = LLM(**kwargs)
         self.tied_head = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
         self.sleeping = False
+        self.version = 0
+        self._running: dict[str, _Running] = {}  # submitted, not finished or aborted
 
-    def _sampling_params(self, n: int, seed: int | None, greedy: bool):
+    def _sampling_params(self, request: Request):
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         return SamplingParams(
-            n=n,
-            temperature=0.0 if greedy else self.cfg.temperature,
-            top_p=1.0 if greedy else self.cfg.top_p,
-            max_tokens=self.cfg.max_new_tokens,
+            n=request.n,
+            temperature=0.0 if request.greedy else self.cfg.temperature,
+            top_p=1.0 if request.greedy else self.cfg.top_p,
+            max_tokens=request.max_tokens or self.cfg.max_new_tokens,
+            ignore_eos=request.ignore_eos,
             logprobs=0,
-            seed=seed,
+            seed=request.seed,
             detokenize=False,  # training needs token ids only; rewards decode what they need
+            output_kind=RequestOutputKind.DELTA,  # each step's new tokens: an abort keeps what was generated
         )
 
     def _check_awake(self) -> None:
         if self.sleeping:
             raise RuntimeError("the vLLM engine is asleep (its weights are freed): load_weights wakes it")
 
-    def generate(self, prompts: list[list[int]], n: int, seeds: list[int], greedy: bool = False) -> list[list[Sample]]:
+    # ------------------------------------------------------------------ step-wise generation
+    def submit(self, request: Request) -> None:
         from vllm.inputs import TokensPrompt
 
         self._check_awake()
-        if not prompts:
-            return []
-        params = [self._sampling_params(n, s, greedy) for s in seeds]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
-                                 lora_request=self.lora_request)
-        groups = []
-        for prompt, out in zip(prompts, outs):
-            group = []
+        if request.request_id in self._running:
+            raise ValueError(f"request {request.request_id!r} is already pending")
+        self.llm.llm_engine.add_request(request.request_id, TokensPrompt(prompt_token_ids=list(request.prompt_ids)),
+                                        self._sampling_params(request), lora_request=self.lora_request)
+        self._running[request.request_id] = _Running(request)
+
+    def step(self) -> list[tuple[str, list[Sample]]]:
+        """One scheduler iteration of vLLM's engine; its DELTA outputs are each running sample's new tokens."""
+        finished = []
+        for out in self.llm.llm_engine.step():
+            running = self._running[out.request_id]
             for c in out.outputs:
-                ids = list(c.token_ids)
-                lps = [lp[t].logprob for lp, t in zip(c.logprobs, ids)] if c.logprobs else [0.0] * len(ids)
-                group.append(Sample(list(prompt), ids, lps, truncated=c.finish_reason == "length"))
-            groups.append(group)
-        return groups
+                running.add(c.index, list(c.token_ids), c.logprobs, c.finish_reason)
+            if out.finished:
+                finished.append((out.request_id, self._running.pop(out.request_id).samples()))
+        return finished
+
+    def abort(self, request_ids: list[str]) -> dict[str, list[Sample]]:
+        ids = [i for i in request_ids if i in self._running]
+        self.llm.llm_engine.abort_request(ids)
+        return {i: self._running.pop(i).samples(partial=True) for i in ids}
+
+    def pending(self) -> int:
+        return len(self._running)
+
+    def generate(self, prompts: list[list[int]], n: int, seeds: list[int], greedy: bool = False) -> list[list[Sample]]:
+        self._check_awake()
+        return generate_by_steps(self, prompts, n, seeds, greedy)
 
     def prompt_logprobs(self, seqs: list[list[int]]) -> list[list[float]]:
         from vllm import SamplingParams
@@ -258,9 +299,12 @@ class VLLMEngine:
             [TokensPrompt(prompt_token_ids=s) for s in batch], params, use_tqdm=False, lora_request=self.lora_request)]
         return [[d[t].logprob for d, t in zip(o.prompt_logprobs[1:], s[1:])] for o, s in zip(outs, seqs)]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Stream new weights in place; wakes a sleeping engine: weights' memory first, then the
-        reload, then the KV cache (the engine resumes scheduling only once both are back)."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+        """Stream new weights in place (the policy at `version`); wakes a sleeping engine: weights'
+        memory first, then the reload, then the KV cache (the engine resumes scheduling only once
+        both are back)."""
+        if self._running:
+            raise RuntimeError(f"load_weights with {len(self._running)} request(s) running: abort them first")
         asleep = self.sleeping
         if asleep:
             self.llm.wake_up(tags=["weights"])
@@ -276,6 +320,8 @@ class VLLMEngine:
             self.llm.wake_up(tags=["kv_cache"])
             self.sleeping = False
         self.llm.reset_prefix_cache()
+        if version is not None:
+            self.version = version
 
     def load_adapter(self, tensors: dict[str, torch.Tensor], config) -> None:
         """Serve the adapter `tensors` (PEFT file names) on top of the base from now on: written as
