@@ -1,11 +1,16 @@
-"""transformers `generate` as a rollout engine: slower than vLLM, but runs wherever torch runs.
+"""transformers models as a step-wise rollout engine: slower than vLLM, but runs wherever torch runs.
 
 It keeps its own unsharded copy of the model on the rank's device; weight sync copies the
-streamed full parameters into that copy.
+streamed full parameters into that copy. Every running sample is one row of a single batch
+(distflow.rollout.hf_decoder): a step prefills what was submitted since the last one, joins it to
+the running rows and decodes one token for all of them, so a step costs one forward (two when
+requests join) however many requests run. A request samples from its own generator, seeded with
+its seed, its running rows drawing in row order, so its samples do not depend on what else runs.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
@@ -13,14 +18,36 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distflow.config import ModelConfig, RolloutConfig
 from distflow.distributed.devices import compute_dtype
+from distflow.rollout.base import Request, generate_by_steps
+from distflow.rollout.hf_decoder import RowBatch, warp
 from distflow.sample import Sample
-from distflow.sample import left_pad
+
+
+@dataclass
+class _Row:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    done: bool = False
+    truncated: bool = True  # until an end-of-sequence token ends it
+
+
+@dataclass
+class _Running:
+    request: Request
+    max_tokens: int
+    generator: torch.Generator | None  # None: greedy
+    rows: list[_Row]
+
+    def samples(self, partial: bool = False) -> list[Sample]:
+        prompt = list(self.request.prompt_ids)
+        return [Sample(prompt, r.tokens, r.logprobs, partial or r.truncated) for r in self.rows]
 
 
 class HFEngine:
     def __init__(self, model_path: str, model: ModelConfig, rollout: RolloutConfig, device: torch.device):
         self.cfg = rollout
         self.device = device
+        self.version = 0
         dtype = compute_dtype(model.dtype)  # concrete: the start-up plan resolved "auto"
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=dtype, trust_remote_code=model.trust_remote_code
@@ -29,36 +56,97 @@ class HFEngine:
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else tok.eos_token_id])
+        self._queued: dict[str, Request] = {}
+        self._running: dict[str, _Running] = {}
+        self._rows: list[tuple[str, int]] = []  # (request id, sample index) of each batch row, in batch order
+        self._batch = RowBatch(self.model, device, self.pad_id)
+
+    def submit(self, request: Request) -> None:
+        if request.request_id in self._queued or request.request_id in self._running:
+            raise ValueError(f"request {request.request_id!r} is already pending")
+        if not request.prompt_ids or request.n < 1 or (request.max_tokens is not None and request.max_tokens < 1):
+            raise ValueError(f"request {request.request_id!r} needs a prompt, n >= 1 and max_tokens >= 1")
+        self._queued[request.request_id] = request
+
+    def pending(self) -> int:
+        return len(self._queued) + len(self._running)
 
     @torch.no_grad()
+    def step(self) -> list[tuple[str, list[Sample]]]:
+        if self._queued:
+            self._join(list(self._queued.values()))
+            self._queued.clear()
+        if not self._rows:
+            return []
+        tokens, logprobs = self._sample(self._batch.decode())
+        self._batch.feed = tokens
+        keep, touched = [], {}
+        for b, ((rid, i), tok, lp) in enumerate(zip(self._rows, tokens.tolist(), logprobs.tolist())):
+            run = touched.setdefault(rid, self._running[rid])
+            row = run.rows[i]
+            row.tokens.append(tok)
+            row.logprobs.append(lp)
+            if tok in self.eos_ids and not run.request.ignore_eos:
+                row.done, row.truncated = True, False
+            elif len(row.tokens) >= run.max_tokens:
+                row.done = True
+            else:
+                keep.append(b)
+        if len(keep) < len(self._rows):
+            self._batch.keep(keep)
+            self._rows = [self._rows[b] for b in keep]
+        finished = [rid for rid, run in touched.items() if all(r.done for r in run.rows)]
+        return [(rid, self._running.pop(rid).samples()) for rid in finished]
+
+    def abort(self, request_ids: list[str]) -> dict[str, list[Sample]]:
+        out = {}
+        for rid in request_ids:
+            if rid in self._queued:
+                request = self._queued.pop(rid)
+                out[rid] = [Sample(list(request.prompt_ids), [], [], True) for _ in range(request.n)]
+            elif rid in self._running:
+                out[rid] = self._running.pop(rid).samples(partial=True)
+        if out and any(rid in out for rid, _ in self._rows):
+            keep = [b for b, (rid, _) in enumerate(self._rows) if rid not in out]
+            self._batch.keep(keep)
+            self._rows = [self._rows[b] for b in keep]
+        return out
+
     def generate(self, prompts: list[list[int]], n: int, seeds: list[int], greedy: bool = False) -> list[list[Sample]]:
-        groups = []
-        for prompt, seed in zip(prompts, seeds):  # one prompt at a time: per-prompt seeds stay reproducible
-            torch.manual_seed(seed)
-            ids, mask = (t.to(self.device) for t in left_pad([prompt] * n, self.pad_id))
-            out = self.model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                do_sample=not greedy,
-                temperature=None if greedy else self.cfg.temperature,
-                top_p=None if greedy else self.cfg.top_p,
-                top_k=None,
-                max_new_tokens=self.cfg.max_new_tokens,
-                pad_token_id=self.pad_id,
-                return_dict_in_generate=True,
-                output_scores=True,
-            )
-            new = out.sequences[:, ids.shape[1]:]
-            # scores are the processed logits the sampler drew from (temperature, top-p applied)
-            logp = torch.stack(out.scores, dim=1).float().log_softmax(-1)
-            token_lp = logp.gather(-1, new[:, : logp.shape[1], None]).squeeze(-1)
-            group = []
-            for row, lps in zip(new.tolist(), token_lp.tolist()):
-                end = next((i + 1 for i, t in enumerate(row) if t in self.eos_ids), None)
-                resp = row[:end] if end else row
-                group.append(Sample(list(prompt), resp, lps[: len(resp)], truncated=end is None))
-            groups.append(group)
-        return groups
+        return generate_by_steps(self, prompts, n, seeds, greedy)
+
+    def _join(self, requests: list[Request]) -> None:
+        self._batch.join([r.prompt_ids for r in requests for _ in range(r.n)])
+        for r in requests:
+            generator = None
+            if not r.greedy:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(r.seed)
+            self._running[r.request_id] = _Running(r, r.max_tokens or self.cfg.max_new_tokens, generator,
+                                                   [_Row() for _ in range(r.n)])
+            self._rows += [(r.request_id, i) for i in range(r.n)]
+
+    def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row and its logprob under the scores it was drawn from (greedy: the raw
+        logits' argmax; sampled: temperature and top-p, as `generate`'s output_scores were)."""
+        greedy = [self._running[rid].generator is None for rid, _ in self._rows]
+        if all(greedy):
+            return logits.argmax(-1), logits.log_softmax(-1).gather(-1, logits.argmax(-1)[:, None]).squeeze(-1)
+        scores = warp(logits, self.cfg.temperature, self.cfg.top_p)
+        if any(greedy):
+            scores = torch.where(torch.tensor(greedy, device=logits.device)[:, None], logits, scores)
+        probs = scores.softmax(-1)
+        tokens = logits.argmax(-1)
+        start = 0
+        while start < len(self._rows):  # a request's running rows are consecutive in the batch
+            rid, end = self._rows[start][0], start + 1
+            while end < len(self._rows) and self._rows[end][0] == rid:
+                end += 1
+            generator = self._running[rid].generator
+            if generator is not None:
+                tokens[start:end] = torch.multinomial(probs[start:end], 1, generator=generator).squeeze(1)
+            start = end
+        return tokens, scores.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
 
     @torch.no_grad()
     def prompt_logprobs(self, seqs: list[list[int]]) -> list[list[float]]:
@@ -71,13 +159,15 @@ class HFEngine:
         return result
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
         params = dict(self.model.named_parameters())
         for name, t in weights:
             params[name].copy_(t)
+        if version is not None:
+            self.version = version
 
     def sleep(self) -> None:
         """Nothing to free: the copy is the rollout model itself."""
 
     def shutdown(self) -> None:
-        del self.model
+        del self.model, self._batch
