@@ -7,6 +7,7 @@ wake_up(tags=["kv_cache"]) -> reset_prefix_cache(), with nothing generated in be
 """
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,11 +20,31 @@ from launch_helpers import ROOT
 from config_helpers import fp32_config
 
 
+class RecordingLLMEngine:
+    """Stands in for vllm.LLM.llm_engine, where the step-wise engine submits: a request is recorded
+    as "generate" and finishes, with nothing sampled, at the next step."""
+
+    def __init__(self, calls: list):
+        self.calls, self.queued = calls, []
+
+    def add_request(self, request_id, prompt, params, lora_request=None):
+        self.calls.append("generate")
+        self.queued.append(request_id)
+
+    def step(self):
+        done, self.queued = self.queued, []
+        return [SimpleNamespace(request_id=i, outputs=[], finished=True) for i in done]
+
+    def abort_request(self, request_ids):
+        self.queued = [i for i in self.queued if i not in request_ids]
+
+
 class RecordingLLM:
     """Stands in for vllm.LLM: records the calls the engine makes (and consumes the weight stream)."""
 
     def __init__(self):
         self.calls = []
+        self.llm_engine = RecordingLLMEngine(self.calls)
 
     def sleep(self, level=1):
         self.calls.append(f"sleep(level={level})")
@@ -51,6 +72,7 @@ def _engine(on_cpu=False, sleep_during_update=True) -> VLLMEngine:
     engine.llm, engine.on_cpu, engine.tied_head, engine.sleeping = RecordingLLM(), on_cpu, False, False
     engine.cfg = RolloutConfig(sleep_during_update=sleep_during_update)
     engine.adapter_folder, engine.lora_request = None, None
+    engine.version, engine._running = 0, {}
     engine.checkpoint_names = lambda weights: weights  # a dense model's names need no renaming
     return engine
 
