@@ -24,6 +24,10 @@ class Sample:
     # token the environment appended between turns (context, never trained); None = all generated.
     mask: list[int] | None = None
     episode: "EpisodeInfo | None" = None  # what the episode did (turns, transcript, tool counts)
+    # The policy version (optimizer steps taken) whose weights generated each response token; an
+    # observation token gets its turn's. None: not recorded (a sample built outside an engine).
+    versions: list[int] | None = None
+    position: int | None = None  # the prompt's place in the run's global prompt stream (keys its seed)
 
     @property
     def generated(self) -> int:

@@ -59,6 +59,9 @@ class RecordingLLM:
         names = [n for n, _ in kwargs["weights_iterator"]]
         self.calls.append(f"{method}({len(names)} tensors)")
 
+    def _preprocess_cmpl_one(self, prompt):
+        return prompt
+
     def reset_prefix_cache(self):
         self.calls.append("reset_prefix_cache()")
 

@@ -21,6 +21,7 @@ from distflow.distributed.layout import ParallelLayout
 from distflow.models.heads import attention_heads, tensor_parallel_problem
 from distflow.train.policy import Policy
 from distflow.rollout import build_engine
+from distflow.rollout.base import Request, step_unless
 from distflow.sample import Sample
 from engine_helpers import perturb_and_resync
 from config_helpers import fp32_config
@@ -55,7 +56,20 @@ def _worker(rank, world, model_dir):
     # sampled groups: each rank gets its own prompts back, n samples each; a rank with none gets none
     mine = seqs[: rank % 3]
     sampled = engine.generate(mine, 3, [1000 * rank + i for i in range(len(mine))])
-    result = {"before": before, "stale": stale, "after": after, "rows": rows, "full_rows": full_rows,
+    # step by step, in lockstep: each rank its own requests and stop rule (rank 1 and 3 want longer
+    # responses); the group steps until every rank's rule holds, then aborts what a rank still runs
+    budget = 4 + 4 * (rank % 2)
+    for i, prompt in enumerate(seqs):
+        engine.submit(Request(f"s{i}", prompt, 2, 50 + i, max_tokens=budget, ignore_eos=True))
+    engine.submit(Request("long", seqs[0], 1, 7, max_tokens=64, ignore_eos=True))
+    stepped, steps = {}, 0
+    while (out := step_unless(engine, stop=len(stepped) == len(seqs))) is not None:
+        stepped.update(out)
+        steps += 1
+    cut = engine.abort(["long"])
+    result = {"stepped": {k: [len(s.response_ids) for s in v] for k, v in stepped.items()}, "steps": steps,
+              "cut": [len(s.response_ids) for s in cut["long"]], "budget": budget, "left": engine.pending()}
+    result |= {"before": before, "stale": stale, "after": after, "rows": rows, "full_rows": full_rows,
               "group": layout.engine_ranks, "response": list(sample.response_ids), "policy_greedy": policy_greedy,
               "n_greedy": len(greedy), "asked": mine,
               "sampled": [[(s.prompt_ids, s.response_ids, s.logprobs) for s in grp] for grp in sampled]}
@@ -79,6 +93,10 @@ def test_resync_reaches_every_tensor_parallel_worker(tiny_model_dir, _):
         assert r["n_greedy"] == 1 and len(r["response"]) > 1, r
         assert r["response"] == r["policy_greedy"], r
         assert [[s[0] for s in grp] for grp in r["sampled"]] == [[p] * 3 for p in r["asked"]], r
+        n_seqs = 2 + rank % 2
+        assert r["stepped"] == {f"s{i}": [r["budget"]] * 2 for i in range(n_seqs)}, r["stepped"]
+        assert r["steps"] == 8, r["steps"]  # the group stepped until its longest budget
+        assert r["cut"] == [8] and r["left"] == 0, r  # the long request, cut where the group stopped
         for grp in r["sampled"]:
             assert all(len(ids) == len(lps) > 0 for _, ids, lps in grp), grp
 

@@ -46,7 +46,9 @@ class RolloutEngine(Protocol):
 
     def abort(self, request_ids: list[str]) -> dict[str, list[Sample]]:
         """Take the pending requests `request_ids` out; each one's n samples as far as they got
-        (tokens and logprobs kept, truncated=True), for a caller that continues them later."""
+        (tokens and logprobs kept), for a caller that continues them later. A sample that had ended
+        keeps its ending: not truncated after an end-of-sequence token, max_tokens long after its
+        budget; any other is truncated and shorter than its budget."""
 
     def pending(self) -> int:
         """Requests submitted and not yet finished or aborted."""
@@ -80,3 +82,12 @@ def generate_by_steps(engine: RolloutEngine, prompts: list[list[int]], n: int, s
     while engine.pending():
         done.update(engine.step())
     return [done[i] for i in ids]
+
+
+def step_unless(engine: RolloutEngine, stop: bool) -> list[tuple[str, list[Sample]]] | None:
+    """One engine step unless `stop` holds; None when stopped. The ranks of a tensor-parallel group
+    (EngineGroup.step_unless) stop together, once every rank's flag holds, so their calls stay alike."""
+    group_step = getattr(engine, "step_unless", None)
+    if group_step is not None:
+        return group_step(stop)
+    return None if stop else engine.step()

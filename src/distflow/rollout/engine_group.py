@@ -8,9 +8,15 @@ engine serves the concatenation once, and each rank keeps its own slice of the a
 funnels through one rank, and what a rank sends depends on its own requests and k, not on the
 world size.
 
-Seeds: a prompt's sample seed is derived exactly as with one engine per rank (derive_seed(run
-seed, epoch, offset, owning rank, index)) and travels with the prompt, so every rank of the group
-hands vLLM the same seed for it; the engine seed (run.seed) is the same on every rank.
+Step by step (`submit`, `step`, `abort`) a rank queues its requests locally; once per engine step the
+group gathers every rank's new requests and its stop flag in one all_gather, submits the union
+(request ids prefixed by the owning rank's place in the group) and steps the engine once, unless
+every rank's stop rule holds. A rank whose rule held earlier keeps receiving what finishes meanwhile.
+An abort gathers the ids of every rank, so all workers abort the same requests.
+
+Seeds: a prompt's sample seed is derived exactly as with one engine per rank (from its stream
+position, distflow.seeds.sample_seed) and travels with the prompt, so every rank of the group hands
+vLLM the same seed for it; the engine seed (run.seed) is the same on every rank.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from distflow.distributed import waiting
-from distflow.rollout.base import RolloutEngine
+from distflow.rollout.base import Request, RolloutEngine
 from distflow.sample import Sample
 
 
@@ -31,6 +37,8 @@ class EngineGroup:
     def __init__(self, engine: RolloutEngine, group):
         self.engine, self.group = engine, group
         self.index, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self._queued: list[Request] = []  # submitted here, not yet gathered
+        self._mine: set[str] = set()  # this rank's requests pending in the engine (or queued)
 
     def _gather(self, request: tuple) -> list[tuple]:
         parts: list = [None] * self.size
@@ -53,6 +61,56 @@ class EngineGroup:
     def prompt_logprobs(self, seqs: list[list[int]]) -> list[list[float]]:
         parts = self._gather((("prompt_logprobs",), seqs))
         return self._mine(parts, self.engine.prompt_logprobs([s for part in parts for s in part[1]]))
+
+    # ------------------------------------------------------------------ step-wise generation
+    def _engine_id(self, index: int, request_id: str) -> str:
+        return f"{index}/{request_id}"
+
+    def submit(self, request: Request) -> None:
+        """Queued until the group's next step, which gathers every rank's new requests."""
+        if request.request_id in self._mine:
+            raise ValueError(f"request {request.request_id!r} is already pending")
+        self._queued.append(request)
+        self._mine.add(request.request_id)
+
+    def step(self) -> list[tuple[str, list[Sample]]]:
+        """One engine step for the whole group (a rank with nothing of its own still steps with the others)."""
+        return self.step_unless(False) or []
+
+    def step_unless(self, stop: bool) -> list[tuple[str, list[Sample]]] | None:
+        """One gather of new requests and stop flags, then one engine step unless every rank wants to
+        stop (None then; requests gathered are submitted either way)."""
+        parts = self._gather((("step",), self._queued, stop))
+        self._queued = []
+        for index, part in enumerate(parts):
+            for r in part[1]:
+                self.engine.submit(Request(self._engine_id(index, r.request_id), r.prompt_ids, r.n, r.seed,
+                                           r.max_tokens, r.ignore_eos, r.greedy))
+        if all(part[2] for part in parts):
+            return None
+        prefix, mine = f"{self.index}/", []
+        for request_id, samples in self.engine.step():
+            if request_id.startswith(prefix):
+                mine.append((request_id[len(prefix):], samples))
+                self._mine.discard(mine[-1][0])
+        return mine
+
+    def abort(self, request_ids: list[str]) -> dict[str, list[Sample]]:
+        """Every rank of the group aborts together; each gets back its own partials (a request still
+        queued comes back with nothing generated)."""
+        queued = {r.request_id: r for r in self._queued if r.request_id in request_ids}
+        self._queued = [r for r in self._queued if r.request_id not in queued]
+        sent = [i for i in request_ids if i in self._mine and i not in queued]
+        parts = self._gather((("abort",), sent))
+        partials = self.engine.abort([self._engine_id(index, i) for index, part in enumerate(parts) for i in part[1]])
+        out = {i: partials[self._engine_id(self.index, i)] for i in sent if self._engine_id(self.index, i) in partials}
+        out.update({i: [Sample(list(r.prompt_ids), [], [], True, versions=[]) for _ in range(r.n)] for i, r in queued.items()})
+        self._mine -= set(out) | set(sent)
+        return out
+
+    def pending(self) -> int:
+        """This rank's own requests not yet finished or aborted."""
+        return len(self._mine)
 
     @property
     def version(self) -> int:

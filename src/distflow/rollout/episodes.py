@@ -119,11 +119,12 @@ class _Episode:
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # each token's policy version (an observation: its turn's)
     info: EpisodeInfo = field(default_factory=EpisodeInfo)
     truncated: bool = False
 
     def sample(self) -> Sample:
-        return Sample(self.prompt_ids, self.ids, self.logprobs, self.truncated, self.mask, self.info)
+        return Sample(self.prompt_ids, self.ids, self.logprobs, self.truncated, self.mask, self.info, self.versions)
 
 
 class EpisodeRunner:
@@ -165,6 +166,7 @@ class EpisodeRunner:
         ep.ids += ids
         ep.mask += [1] * len(ids)
         ep.logprobs += lps
+        ep.versions += (out.versions or [self.engine.version] * len(out.response_ids))[:room]
         ep.info.turns += 1
         ep.info.transcript.append({"role": "assistant",
                                    "content": self.tokenizer.decode(ids, skip_special_tokens=True)})
@@ -195,6 +197,7 @@ class EpisodeRunner:
         ep.ids += obs
         ep.mask += [0] * len(obs)
         ep.logprobs += [0.0] * len(obs)
+        ep.versions += [ep.versions[-1] if ep.versions else self.engine.version] * len(obs)  # its turn's
         info.transcript.extend(step.messages)
         return True
 

@@ -34,7 +34,8 @@ def evaluate(runner, pool: RewardPool, tokenizer, items: list[PromptItem], dist:
     local = [float((rewards >= PASS_THRESHOLD).sum()), float(len(mine)),
              float(sum(len(s.response_ids) for s in greedy)), episodes["turns"], episodes["tool_calls"]]
     if k > 0:
-        seeds = [derive_seed(seed, "heldout", dist.rank, i) for i in range(len(mine))]
+        # keyed by the held-out item, not the rank that draws it
+        seeds = [derive_seed(seed, "heldout", dist.rank + i * dist.world_size) for i in range(len(mine))]
         sampled = [s for g in runner.run(mine, k, seeds) for s in g]
         rewards_k, _ = score_groups(pool, tokenizer, mine, sampled, k)
         local.append(float((rewards_k >= PASS_THRESHOLD).any(dim=1).sum()))

@@ -46,13 +46,21 @@ class ShardedSampler:
                 self._cache = (epoch, list(range(self.num_items)))
         return self._cache[1][i]
 
-    def next_indices(self, k: int) -> list[int]:
-        """This rank's next k item indices (the same call on every rank advances all alike)."""
+    def next_positions(self, k: int) -> list[int]:
+        """This rank's next k stream positions (the same call on every rank advances all alike); a
+        position names its item (`item`) and keys its samples' seeds, whatever rank draws it."""
         positions = [self._offset + self.rank + j * self.world_size for j in range(k)]
-        out = [self._item(p) for p in positions]
-        self.last_positions = [(p // self.num_items, i) for p, i in zip(positions, out)]
+        self.last_positions = [(p // self.num_items, self._item(p)) for p in positions]
         self._offset += k * self.world_size
-        return out
+        return positions
+
+    def item(self, position: int) -> int:
+        """The item index at a stream position."""
+        return self._item(position)
+
+    def next_indices(self, k: int) -> list[int]:
+        """This rank's next k item indices."""
+        return [self._item(p) for p in self.next_positions(k)]
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "offset": self._offset, "num_items": self.num_items,

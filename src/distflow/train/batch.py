@@ -145,6 +145,12 @@ class UpdateBatch:
     ref_logprobs: torch.Tensor | None = None
     values: torch.Tensor | None = None  # the critic's, at rollout time
     returns: torch.Tensor | None = None  # the critic's targets
+    # [B, R] the policy version that generated each response token (0 on padding); None when a
+    # sample did not record its versions
+    token_versions: torch.Tensor | None = None
+    # [B, R] the tokens the engine/trainer mismatch is measured on: those of the engine's current
+    # version (older ones differ by the updates between); None: the loss mask
+    mismatch_mask: torch.Tensor | None = None
 
     @staticmethod
     def from_samples(samples: list[Sample], pad_id: int, device: torch.device,
@@ -157,8 +163,11 @@ class UpdateBatch:
         keep = torch.tensor([not (drop_truncated and s.truncated) for s in samples], dtype=torch.float32)
         width = tokens.resp_mask.shape[1]
         engine = pad_rows([torch.tensor(s.logprobs, dtype=torch.float32) for s in samples], width)
+        versions = None
+        if all(s.versions is not None for s in samples):
+            versions = pad_rows([torch.tensor(s.versions, dtype=torch.long) for s in samples], width).to(device)
         return UpdateBatch(tokens, tokens.resp_mask * keep.to(device)[:, None], engine.to(device),
-                           torch.zeros_like(tokens.resp_mask))
+                           torch.zeros_like(tokens.resp_mask), token_versions=versions)
 
     @staticmethod
     def empty(device: torch.device) -> "UpdateBatch":
