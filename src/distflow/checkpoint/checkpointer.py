@@ -54,7 +54,8 @@ from distflow.seeds import derive_seed
 log = logging.getLogger("distflow")
 
 MARKER = "COMPLETE"
-FORMAT = 3  # 1: the first layout (policy under "app"); 2: the registry; 3: sectioned config, no history
+FORMAT = 4  # 1: the first layout (policy under "app"); 2: the registry; 3: sectioned config, no history;
+# 4: samples seeded by their prompt's stream position (a format-3 run would continue with other samples)
 SCOPES = ("sharded", "rank", "shared")
 POLICY = "policy"  # the policy's name in the registry: DCP keys start with it (distflow.checkpoint.export reads them)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -333,11 +334,21 @@ class Checkpointer:
         sharded = self._scope("sharded")
         if sharded:
             load_checkpoint(sharded, path)  # reshards to this world size; runs no code from the files
+        resized = marker.get("world_size") != rank_and_world()[1]
         for name, state in self._scope("rank").items():
-            saved = rank_state[name]
-            if new_rank and hasattr(state, "state_for_new_rank"):
-                saved = state.state_for_new_rank(saved, self.rank, marker["step"])
-            state.load_state_dict(saved)
+            try:
+                if resized and hasattr(state, "load_pooled"):  # every saving rank's share, dealt anew
+                    state.load_pooled([json.loads(f.read_text())[name] for f in sorted(path.glob("rank_*.json"))])
+                    continue
+                saved = rank_state[name]
+                if new_rank and hasattr(state, "state_for_new_rank"):
+                    saved = state.state_for_new_rank(saved, self.rank, marker["step"])
+                state.load_state_dict(saved)
+            except ConfigError:
+                raise
+            except (ValueError, KeyError, TypeError) as e:
+                raise ConfigError(f"checkpoint {path} is incomplete: its {name} state is malformed "
+                                  f"({type(e).__name__}: {e})") from None
         for name, state in self._scope("shared").items():
             state.load_state_dict(marker["state"][name])
         return marker

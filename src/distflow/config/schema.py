@@ -28,6 +28,7 @@ from distflow.config.fields import (
 from distflow.config.logging import LoggingConfig
 from distflow.config.model import LoraConfig, ModelConfig
 from distflow.config.optim import OptimConfig
+from distflow.config.pipeline import PipelineConfig
 from distflow.config.rollout import RolloutConfig
 from distflow.config.run import RunConfig
 from distflow.config.task import TaskConfig
@@ -44,6 +45,7 @@ class DistflowConfig:
     optim: OptimConfig = knob(factory=OptimConfig)
     critic: CriticConfig = knob(factory=CriticConfig)
     data: DataConfig = knob(factory=DataConfig)
+    pipeline: PipelineConfig = knob(factory=PipelineConfig)
     task: TaskConfig = knob(factory=TaskConfig)
     run: RunConfig = knob(factory=RunConfig)
     checkpoint: CheckpointConfig = knob(factory=CheckpointConfig)
@@ -87,6 +89,15 @@ def _across_sections(cfg: DistflowConfig) -> list[tuple[bool, str]]:
          "model.lora.resync=adapter needs rollout.engine=vllm (vLLM's LoRA support); use resync=merged"),
         (not lora.enabled or lora.resync != "adapter" or r.tensor_parallel_size == 1,
          "model.lora.resync=adapter with rollout.tensor_parallel_size > 1 is not supported; use resync=merged"),
+        (cfg.pipeline.max_staleness == 0 or a.tis_cap is not None,
+         f"pipeline.max_staleness={cfg.pipeline.max_staleness} trains tokens of older policies and needs a correction "
+         "for them: set algorithm.tis_cap (e.g. 2.0)"),
+        (cfg.pipeline.mode == "sync" or r.max_turns == 1,
+         "pipeline.mode=carryover carries single-turn groups; multi-turn episodes (rollout.max_turns > 1) run with "
+         "pipeline.mode=sync"),
+        (cfg.pipeline.max_concurrency is None or cfg.pipeline.max_concurrency >= a.group_size,
+         f"pipeline.max_concurrency={cfg.pipeline.max_concurrency} is below algorithm.group_size={a.group_size}: "
+         "a group's samples run together"),
         (not cfg.validation.wanted or cfg.task.has_heldout,
          "validation needs a held-out split: set task.heldout_size" if cfg.task.name == "reasoning_gym"
          else "validation needs a held-out split: set task.heldout_path"),

@@ -19,6 +19,7 @@ from distflow.config import DistflowConfig
 from distflow.distributed import rank_and_world
 from distflow.rollout.episodes import episode_sums
 from distflow.rollout.groups import Rollouts
+from distflow.rollout.schedule import staleness
 from distflow.rollout.scoring import REWARD_FAILURES
 from distflow.metrics.loggers import MetricLogger, reduce_step_metrics
 from distflow.run.rundir import RunDir
@@ -63,12 +64,18 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
     }
     if cfg.task.env:
         sums.update(episode_sums(samples))
+    carryover = cfg.pipeline.mode == "carryover"
+    if carryover:
+        sums.update(carryover_sums(step, samples, stats.pipeline))
     timing = with_compute(timing)
     maxima = {f"timing/{k}_s": v for k, v in timing.items()}
     maxima.update({"timing/slowest_rank": slowest_rank_code(timing["compute"]),
                    "response_length/max": float(max(resp_lens)), "sync/max_abs_logprob_diff": probe,
                    "dynamic_sampling/rounds": float(stats.rounds), "mismatch/abs_max": s.mismatch.abs_max,
                    **gpu_memory()})
+    if carryover:
+        maxima.update({"staleness/max": float(max(token_ages(step, samples), default=0)),
+                       "timing/reprefill_s": stats.pipeline.get("reprefill_s", 0.0)})
     g = reduce_step_metrics(sums, maxima, {f"timing/{k}_min_s": v for k, v in timing.items()})
     g["timing/slowest_rank"] = float(int(g["timing/slowest_rank"]) % rank_and_world()[1])
     n, trained = max(g["samples"], 1.0), max(g["upd/tokens"], 1.0)
@@ -122,12 +129,31 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
                     "tool/timeouts": g["tool_timeouts"]})
     if cfg.run.balance_lengths:
         out.update({f"balance/{k}": v for k, v in stats.balance.items()})
+    if carryover:  # token-weighted over the trained groups' generated tokens, as verl's staleness keys
+        out.update({"staleness/mean": g["staleness_sum"] / max(g["staleness_tokens"], 1.0),
+                    "staleness/max": g["staleness/max"],
+                    **{f"partial/{k}": g[f"partial/{k}"] for k in PARTIAL_KEYS}})
     if a.dynamic_sampling:
         out["dynamic_sampling/kept_groups"] = g["kept_groups"]
         out["dynamic_sampling/generated_groups"] = g["generated_groups"]
         out["dynamic_sampling/rounds"] = g["dynamic_sampling/rounds"]
         out["update/skipped"] = float(upd.skipped)
     return out
+
+
+PARTIAL_KEYS = ("carried_groups", "carried_tokens", "reprefill_tokens", "forced_groups")
+
+
+def token_ages(step: int, samples: list) -> list[int]:
+    """Each generated token's staleness: versions between the engine's at this step (step - 1) and its own."""
+    return staleness(step, [v for x in samples for v in (x.versions or [])])
+
+
+def carryover_sums(step: int, samples: list, pipeline: dict[str, float]) -> dict[str, float]:
+    """This rank's carry-over counts (distflow.rollout.driver) and its tokens' staleness, to be summed."""
+    ages = token_ages(step, samples)
+    return {"staleness_sum": float(sum(ages)), "staleness_tokens": float(len(ages)),
+            **{f"partial/{k}": pipeline.get(k, 0.0) for k in PARTIAL_KEYS}}
 
 
 def mismatch_metrics(g: dict[str, float]) -> dict[str, float]:

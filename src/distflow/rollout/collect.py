@@ -2,10 +2,12 @@
 workers, driven through `collect`, `evaluate`, `load_weights` and `sleep`.
 
 A rank that only generates (the asynchronous roles) runs this without distflow.train: it takes
-token ids and weights in, and hands out groups of samples with their pending rewards. Generation
-is one blocking engine call per round (per turn with episodes); with dynamic sampling (DAPO)
-groups are scored at once, those whose rewards are all equal are dropped, and every rank keeps
-generating until the GLOBAL number of kept groups reaches the target or the round limit is hit.
+token ids and weights in, and hands out groups of samples with their pending rewards. Each round's
+groups come from the source pipeline.mode picks (distflow.rollout.driver): one blocking engine
+call per round (per turn with episodes), or the carry-over driver, which cuts the tail and carries
+it to the next step. With dynamic sampling (DAPO) groups are scored at once, those whose rewards
+are all equal are dropped, and every rank keeps generating until the GLOBAL number of kept groups
+reaches the target or the round limit is hit.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ from distflow.algorithms import dynamic_sampling_keep
 from distflow.config import DistflowConfig
 from distflow.distributed import DistInfo, all_reduce
 from distflow.rollout.balance import balance_groups
+from distflow.rollout.carry import CarryBuffer
+from distflow.rollout.driver import CarryoverDriver, SyncSource
 from distflow.rollout.engines import build_engine
 from distflow.rollout.episodes import EpisodeRunner, SingleTurn
 from distflow.rollout.evaluation import evaluate
 from distflow.rollout.groups import Rollouts
 from distflow.rollout.scoring import score_groups
-from distflow.seeds import derive_seed
 from distflow.tasks import ShardedSampler
 
 log = logging.getLogger("distflow")
@@ -51,6 +54,9 @@ class Rollout:
         self.runner = EpisodeRunner(self.engine, self.task.workers, self.tokenizer, cfg.rollout,
                                     lockstep=cfg.rollout.tensor_parallel_size > 1) \
             if self.task.multi_turn else SingleTurn(self.engine)
+        self.carry = CarryBuffer(dist.rank, dist.world_size)  # checkpoint state in carry-over mode
+        self.source = CarryoverDriver(self.engine, cfg, self.carry) if cfg.pipeline.mode == "carryover" \
+            else SyncSource(self.runner, r.seed, cfg.algorithm.group_size)
 
     # ----------------------------------------------------------------- generation
     def collect(self, step: int) -> tuple[Rollouts, Future]:
@@ -58,9 +64,9 @@ class Rollout:
         rollouts and the pending rewards ([groups, G])."""
         a, per_rank, phase = self.cfg.algorithm, self.cfg.data.prompts_per_rank, self.timer.phase
         kept = Rollouts(a.group_size)
-        for _ in range(a.max_sampling_rounds if a.dynamic_sampling else 1):
+        for r in range(a.max_sampling_rounds if a.dynamic_sampling else 1):
             with phase("generate"):
-                part = self.generate(step, per_rank)
+                part = self.generate(step, self.source.admits(step, per_rank, r == 0), per_rank)
             kept.stats.rounds += 1
             kept.stats.generated_groups += len(part.items)
             if not a.dynamic_sampling:
@@ -71,6 +77,7 @@ class Rollout:
             kept.keep_groups(part, dynamic_sampling_keep(part.rewards))
             if int(all_reduce(len(kept.items))) >= per_rank * self.dist.world_size:
                 break
+        kept.stats.pipeline = self.source.end_step(step)  # carry-over: cut what still runs; the engine is empty
         if a.dynamic_sampling and kept.rewards is None:
             kept.rewards = torch.zeros((0, a.group_size))
         if self.cfg.run.balance_lengths:  # the update waits for the rank with the most tokens
@@ -84,15 +91,17 @@ class Rollout:
             pending = self.scoring_thread.submit(self.score, kept)
         return kept, pending
 
-    def generate(self, step: int, n_prompts: int) -> Rollouts:
-        idx = self.sampler.next_indices(n_prompts)
-        items = [self.items[i] for i in idx]
-        # the sampler's position makes seeds unique across rounds and steps
-        pos = self.sampler.state_dict()
-        seeds = [derive_seed(self.cfg.run.seed, pos["epoch"], pos["offset"], self.dist.rank, i) for i in idx]
+    def generate(self, step: int, n_prompts: int, quota: int) -> Rollouts:
+        """A round: `n_prompts` new positions admitted, at least `quota` groups handed out."""
+        positions = self.sampler.next_positions(n_prompts)
+        items = [self.items[self.sampler.item(p)] for p in positions]
         log.debug(f"step {step} items (epoch, index): {json.dumps(self.sampler.last_positions)}")
-        groups = self.runner.run(items, self.cfg.algorithm.group_size, seeds)
-        return Rollouts(self.cfg.algorithm.group_size, items, [s for g in groups for s in g])
+        done = self.source.round(step, positions, items, quota)
+        for position, group in zip(done.positions, done.groups):
+            for s in group:
+                s.position = position
+        return Rollouts(self.cfg.algorithm.group_size, [self.items[self.sampler.item(p)] for p in done.positions],
+                        [s for g in done.groups for s in g])
 
     def score(self, rollouts: Rollouts) -> torch.Tensor:
         rewards, failures = score_groups(self.task.workers, self.tokenizer, rollouts.items, rollouts.samples,
@@ -112,12 +121,12 @@ class Rollout:
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Replace the engine's weights from a stream of (HF name, full tensor); wakes it."""
-        self.engine.load_weights(weights)
+        self.engine.load_weights(weights, version)
         self.version = version
 
     def load_adapter(self, tensors: dict[str, torch.Tensor], config, version: int) -> None:
         """A LoRA policy's adapters only (model.lora.resync=adapter); wakes the engine."""
-        self.engine.load_adapter(tensors, config)
+        self.engine.load_adapter(tensors, config, version)
         self.version = version
 
     def sleep(self) -> None:

@@ -24,6 +24,7 @@ class RolloutStats:
     rounds: int = 0
     generated_groups: int = 0
     balance: dict[str, float] = field(default_factory=dict)
+    pipeline: dict[str, float] = field(default_factory=dict)  # carry-over counts (distflow.rollout.driver)
 
     def add_failures(self, counts: dict[str, float]) -> None:
         for k in REWARD_FAILURES:

@@ -58,9 +58,14 @@ class Learner:
             self.critic = Critic(critic_path, cfg.critic, cfg.model, cfg.optim, layout) if cfg.has_critic else None
         self.estimator = ADVANTAGE_ESTIMATORS[a.advantage]
 
-    def batch(self, samples: list[Sample]) -> UpdateBatch:
-        """The step's one padded batch (micro-batches are row selections of it)."""
-        return UpdateBatch.from_samples(samples, self.pad_id, self.policy.device, self.cfg.algorithm.overlong_filter)
+    def batch(self, samples: list[Sample], current_version: int) -> UpdateBatch:
+        """The step's one padded batch (micro-batches are row selections of it). Tokens of versions
+        older than `current_version` (carried over) leave the mismatch measurement."""
+        batch = UpdateBatch.from_samples(samples, self.pad_id, self.policy.device, self.cfg.algorithm.overlong_filter)
+        versions = batch.token_versions
+        if versions is not None and bool((versions != current_version)[batch.loss_mask.bool()].any()):
+            batch = batch.with_(mismatch_mask=batch.loss_mask * (versions == current_version))
+        return batch
 
     def plan(self, batch: UpdateBatch) -> StepPlan:
         return self.updater.plan(batch.tokens)

@@ -287,7 +287,8 @@ class Updater:
                 sums.add("loss", num.detach().double() / denom)
                 sums.add("tokens", m.sum())
                 sums.add("forward_tokens", torch.full((), float(mb.inputs.input_ids.numel()), device=logp.device))
-                sums.add_mismatch(mismatch_vector(old, engine, mask))
+                measured = mask if batch.mismatch_mask is None else mb.cut(batch.mismatch_mask)
+                sums.add_mismatch(mismatch_vector(old, engine, measured))
                 for key in ("clip_low", "clip_high", "dual_clip", "kl", "entropy", "tis_weight"):
                     if key in info:
                         sums.add(key, info[key].float()[m].sum())

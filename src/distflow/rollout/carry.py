@@ -1,0 +1,76 @@
+"""The carry buffer: groups cut at a step boundary, waiting to continue after the resync.
+
+It is checkpoint state, written as data (rank_<r>.json), never pickled: at a boundary the engine
+is empty and every carried group is plain token ids, logprobs and versions, which re-prefilling
+turns back into the engine state it had, so a resume continues bit for bit. A resized resume pools
+every rank's buffer and deals the groups by position (distflow.rollout.schedule.deal): none is
+trained twice or lost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from distflow.rollout.schedule import deal
+from distflow.sample import Sample
+
+
+@dataclass
+class CarriedGroup:
+    """A group cut at a step boundary: its G samples as far as they got (some may have ended)."""
+
+    position: int  # the prompt's place in the global stream (names its item and seeds)
+    admitted: int  # the step that admitted it: it trains by admitted + eta
+    cuts: int  # times it was cut (keys the seeds of its continuations)
+    samples: list[Sample]
+
+    def tokens(self) -> int:
+        return sum(len(s.response_ids) for s in self.samples)
+
+    def to_data(self) -> dict:
+        return {"position": self.position, "admitted": self.admitted, "cuts": self.cuts,
+                "samples": [_sample_data(s) for s in self.samples]}
+
+    @staticmethod
+    def from_data(d: dict) -> "CarriedGroup":
+        try:
+            return CarriedGroup(int(d["position"]), int(d["admitted"]), int(d["cuts"]),
+                                [_sample_from(s) for s in d["samples"]])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"a carried group is malformed ({type(e).__name__}: {e})") from None
+
+
+def _sample_data(s: Sample) -> dict:
+    return {"prompt_ids": s.prompt_ids, "response_ids": s.response_ids, "logprobs": s.logprobs,
+            "truncated": s.truncated, "versions": s.versions}
+
+
+def _sample_from(d: dict) -> Sample:
+    ids, lps, versions = list(map(int, d["response_ids"])), list(map(float, d["logprobs"])), d["versions"]
+    versions = None if versions is None else list(map(int, versions))
+    if len(lps) != len(ids) or (versions is not None and len(versions) != len(ids)):
+        raise ValueError("a carried sample's tokens, logprobs and versions differ in length")
+    return Sample(list(map(int, d["prompt_ids"])), ids, lps, bool(d["truncated"]), versions=versions)
+
+
+class CarryBuffer:
+    """This rank's carried groups, as rank-scoped checkpoint state."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+        self.groups: list[CarriedGroup] = []
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def state_dict(self) -> dict:
+        return {"groups": [g.to_data() for g in self.groups], "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.groups = [CarriedGroup.from_data(g) for g in state["groups"]]
+
+    def load_pooled(self, states: list[dict]) -> None:
+        """Every saving rank's buffer (a resized resume): keep the groups this rank deals to."""
+        pooled = [CarriedGroup.from_data(g) for state in states for g in state["groups"]]
+        pooled.sort(key=lambda g: g.position)
+        self.groups = [pooled[i] for i in deal([g.position for g in pooled], self.rank, self.world_size)]
