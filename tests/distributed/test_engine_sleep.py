@@ -75,7 +75,7 @@ def _engine(on_cpu=False, sleep_during_update=True) -> VLLMEngine:
     engine.llm, engine.on_cpu, engine.tied_head, engine.sleeping = RecordingLLM(), on_cpu, False, False
     engine.cfg = RolloutConfig(sleep_during_update=sleep_during_update)
     engine.adapter_folder, engine.lora_request = None, None
-    engine.version, engine._running = 0, {}
+    engine.version, engine._running, engine._waiting, engine.token_budget = 0, {}, [], 1 << 20
     engine.checkpoint_names = lambda weights: weights  # a dense model's names need no renaming
     return engine
 

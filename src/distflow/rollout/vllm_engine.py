@@ -231,6 +231,8 @@ class VLLMEngine:
         self.sleeping = False
         self.version = 0
         self._running: dict[str, _Running] = {}  # submitted, not finished or aborted
+        self._waiting: list[Request] = []  # submitted, not yet handed to vLLM (CPU: see _admit)
+        self.token_budget = self.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
 
     def _sampling_params(self, request: Request):
         from vllm import SamplingParams
@@ -254,19 +256,38 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ step-wise generation
     def submit(self, request: Request) -> None:
-        from vllm.inputs import TokensPrompt
-
         self._check_awake()
         if request.request_id in self._running:
             raise ValueError(f"request {request.request_id!r} is already pending")
-        # rendered as LLM.generate renders each prompt (a raw prompt is deprecated in add_request)
-        prompt = self.llm._preprocess_cmpl_one(TokensPrompt(prompt_token_ids=list(request.prompt_ids)))
-        self.llm.llm_engine.add_request(request.request_id, prompt, self._sampling_params(request),
-                                        lora_request=self.lora_request)
         self._running[request.request_id] = _Running(request)
+        self._waiting.append(request)
+
+    def _admit(self) -> None:
+        """Hand the waiting requests to vLLM. On CPU only as many as the next step prefills whole:
+        vLLM splits a prefill that overflows its token budget over two steps, and then rewinds the
+        request's seeded generator, which a CPU generator cannot do (RuntimeError: CPU Generator does
+        not use offset). A request enters once its n prefills fit beside the running samples' decode
+        tokens and the prefills already admitted; an idle engine takes the next one whatever its
+        size. On CUDA all enter at once, as LLM.generate adds them."""
+        from vllm.inputs import TokensPrompt
+
+        admitted = sum(r.request.n for r in self._running.values()) - sum(r.n for r in self._waiting)
+        room = self.token_budget - admitted
+        while self._waiting:
+            request = self._waiting[0]
+            cost = request.n * len(request.prompt_ids)
+            if self.on_cpu and cost > room and (admitted or room < self.token_budget):
+                break
+            self._waiting.pop(0)
+            room, admitted = room - cost, admitted + request.n
+            # rendered as LLM.generate renders each prompt (a raw prompt is deprecated in add_request)
+            prompt = self.llm._preprocess_cmpl_one(TokensPrompt(prompt_token_ids=list(request.prompt_ids)))
+            self.llm.llm_engine.add_request(request.request_id, prompt, self._sampling_params(request),
+                                            lora_request=self.lora_request)
 
     def step(self) -> list[tuple[str, list[Sample]]]:
         """One scheduler iteration of vLLM's engine; its DELTA outputs are each running sample's new tokens."""
+        self._admit()
         finished = []
         for out in self.llm.llm_engine.step():
             running = self._running[out.request_id]
@@ -278,7 +299,9 @@ class VLLMEngine:
 
     def abort(self, request_ids: list[str]) -> dict[str, list[Sample]]:
         ids = [i for i in request_ids if i in self._running]
-        self.llm.llm_engine.abort_request(ids)
+        waiting = {r.request_id for r in self._waiting}
+        self._waiting = [r for r in self._waiting if r.request_id not in ids]
+        self.llm.llm_engine.abort_request([i for i in ids if i not in waiting])
         return {i: self._running.pop(i).samples(self.version) for i in ids}
 
     def pending(self) -> int:
