@@ -79,7 +79,8 @@ class CarryoverDriver:
         workload's tail, bench/carryover.py); None: rollout.max_new_tokens, ended by the model.
         `first_step`: where the window of eta steps ahead is admitted (a run's step 1)."""
         self.engine, self.buffer, self.lengths, self.first_step = engine, buffer, lengths, first_step
-        self.trace: list[tuple[int, float]] | None = None  # a list: (running samples, seconds) per engine step
+        # a list: (running samples, seconds, whether it prefilled new requests) per engine step
+        self.trace: list[tuple[int, float, bool]] | None = None
         self.seed, self.group_size = cfg.run.seed, cfg.algorithm.group_size
         self.eta, self.concurrency = cfg.pipeline.max_staleness, cfg.pipeline.max_concurrency
         self.budget = cfg.rollout.max_new_tokens
@@ -139,11 +140,15 @@ class CarryoverDriver:
         self.request_group[request.request_id] = position
         self.waiting.append(request)
 
-    def _submit_waiting(self) -> None:
+    def _submit_waiting(self) -> bool:
+        """Submit what fits under max_concurrency; whether anything was."""
+        submitted = False
         while self.waiting and schedule.fits(self.running_samples, self.waiting[0].n, self.concurrency):
             request = self.waiting.pop(0)
             self.engine.submit(request)
             self.running_samples += request.n
+            submitted = True
+        return submitted
 
     # ------------------------------------------------------------------ a round
     def round(self, step: int, positions: list[int], items: list, quota: int) -> Finished:
@@ -165,7 +170,7 @@ class CarryoverDriver:
                 forced_counted = True
             if not stop and not self.groups:
                 raise RuntimeError(f"step {step}: the round waits for groups that are not in the engine")
-            self._submit_waiting()
+            prefills = self._submit_waiting()
             t0 = time.perf_counter()
             out = step_unless(self.engine, stop)
             if out is None:
@@ -174,7 +179,7 @@ class CarryoverDriver:
                 self.metrics["reprefill_s"] += time.perf_counter() - t0
                 reprefilling = False
             if self.trace is not None:
-                self.trace.append((self.running_samples, time.perf_counter() - t0))
+                self.trace.append((self.running_samples, time.perf_counter() - t0, prefills))
             for request_id, samples in out:
                 self._collect(request_id, samples)
 
