@@ -1,5 +1,5 @@
 """Resume: on another number of ranks (DCP reshards, the sampler's stream continues, new ranks
-get derived RNG streams), and the rules that decide whether a launch continues the run in its
+get derived RNG streams, carried groups are pooled and dealt by position), and the rules that decide whether a launch continues the run in its
 output folder (distflow.run.resume). Real gloo ranks, real FSDP2 models, real DCP files."""
 
 import json
@@ -19,6 +19,8 @@ from config_helpers import fp32_config
 from distflow.config import ConfigError, config_record
 from distflow.checkpoint.checkpointer import FORMAT, POLICY, Checkpointer, ModelOptimState, RNGState, latest_checkpoint, \
     read_marker
+from distflow.rollout.carry import CarriedGroup, CarryBuffer
+from distflow.sample import Sample
 from distflow.tasks.sampler import ShardedSampler
 from distflow.distributed.layout import ParallelLayout
 from distflow.train.policy import Policy
@@ -43,12 +45,21 @@ def _full_state(policy) -> dict:
     return {"model": model, "optim": optim}
 
 
-def _checkpointer(root, rank, policy, sampler):
+def _checkpointer(root, rank, policy, sampler, carry):
     ck = Checkpointer(Path(root) / "checkpoints", keep_last=2, rank=rank)
     ck.register(POLICY, ModelOptimState(policy.model, policy.optimizer), "sharded")
     ck.register("sampler", sampler, "rank")
     ck.register("rng", RNGState("cpu", SEED), "rank")
+    ck.register("carry", carry, "rank")
     return ck
+
+
+def _carried(rank: int, world: int) -> CarryBuffer:
+    """A carry-over rank's buffer: groups at the positions the sampler dealt it (p mod W = rank)."""
+    buffer = CarryBuffer(rank, world)
+    buffer.groups = [CarriedGroup(p, 2, 1, [Sample([1, p], [3, 4], [-0.5, -0.25], True, versions=[1, 2])])
+                     for p in range(rank, 12, world)]
+    return buffer
 
 
 def _train_and_save(rank, world, model_dir, root, shard_ranks):
@@ -59,14 +70,17 @@ def _train_and_save(rank, world, model_dir, root, shard_ranks):
     sampler = ShardedSampler(50, rank, world, seed=SEED)
     sampler.next_indices(2)
     torch.manual_seed(100 + rank)
-    _checkpointer(root, rank, policy, sampler).save(STEP, config_record(fp32_config()), model_dir)
+    _checkpointer(root, rank, policy, sampler, _carried(rank, world)).save(STEP, config_record(fp32_config()), model_dir)
     return _full_state(policy)
 
 
 def _load_and_compare(rank, world, model_dir, root, shard_ranks, saved, saved_world):
     policy = _policy(model_dir, shard_ranks)
     sampler = ShardedSampler(50, rank, world, seed=SEED)
-    _checkpointer(root, rank, policy, sampler).load(latest_checkpoint(Path(root) / "checkpoints"))
+    carry = CarryBuffer(rank, world)
+    _checkpointer(root, rank, policy, sampler, carry).load(latest_checkpoint(Path(root) / "checkpoints"))
+    # every rank's carried groups pooled and dealt by position: each kept once, none copied from rank 0
+    assert [g.to_data() for g in carry.groups] == [g.to_data() for g in _carried(rank, world).groups]
     now = _full_state(policy)
     assert saved["model"].keys() == now["model"].keys()
     assert all(torch.equal(saved["model"][k], now["model"][k]) for k in saved["model"])

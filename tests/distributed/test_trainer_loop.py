@@ -88,6 +88,7 @@ def cases(tmp: Path) -> list[tuple[str, str, list[str], dict]]:
                                                     "task.reward=rewards_for_tests:constant"], {}),
         ("dapo_carryover", "dapo_carryover", ["algorithm=dapo", "run.steps=2", "task.reward=rewards_for_tests:flat_on_rank1",
                                               "pipeline.mode=carryover"], {}),
+        ("dapo_eta1", "dapo_eta1", ["algorithm=dapo", "run.steps=3", "pipeline=carryover"], {}),
         ("sync_ref", "sync_ref", [*exact, "run.steps=4"], {}),
         ("carryover_eta0", "carryover_eta0", [*exact, "run.steps=4", "pipeline.mode=carryover"], {}),
         ("carry_straight", "carry_straight", [*carry, "run.steps=6"], {}),
@@ -299,6 +300,8 @@ def test_carryover_keeps_its_bound_and_resumes_exactly_with_groups_carried(runs)
     for r in straight:  # eta = 1: a group trains at most one step late, every step trains its quota
         assert r["staleness/max"] <= 1 and r["partial/carried_groups"] > 0 and r["grad_norm"] > 0, r
     assert any(r["staleness/max"] == 1 for r in straight)
+    for r in _trained(runs, "dapo_eta1", steps=3):  # dynamic sampling's rounds under carry-over
+        assert r["staleness/max"] <= 1 and r["dynamic_sampling/rounds"] >= 1 and r["update/nonfinite_skipped"] == 0, r
 
 
 def test_everything_filtered_skips_the_update(runs):

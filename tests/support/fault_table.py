@@ -283,6 +283,22 @@ def _tampered_metadata(scene: Scene) -> None:
     read_metadata(scene.checkpoint)
 
 
+def _malformed_carry(scene: Scene) -> None:
+    """A carry-over run's checkpoint whose carried group lost its samples' data: loaded as the
+    trainer loads its rank-scoped state. The marker's sizes catch the edit (one whose size stayed
+    the same is refused by the buffer's own check: the same line names the malformed state)."""
+    from distflow.checkpoint.checkpointer import Checkpointer
+    from distflow.rollout.carry import CarryBuffer
+
+    rank_file = scene.checkpoint / "rank_0.json"
+    state = json.loads(rank_file.read_text())
+    state["carry"] = {"groups": [{"position": 4, "admitted": 1, "cuts": 1}], "world_size": 1}
+    rank_file.write_text(json.dumps(state))
+    checkpointer = Checkpointer(scene.checkpoint.parent, keep_last=1, rank=0)
+    checkpointer.register("carry", CarryBuffer(0, 1), "rank")
+    checkpointer.load(scene.checkpoint)
+
+
 def _other_model(scene: Scene) -> None:
     """The checkpoint loaded into a model twice as wide (what checkpoint.resume=force onto another
     model.path does)."""
@@ -380,6 +396,25 @@ FAULTS: list[Fault] = [
           (E + "rollout.max_turns=3 needs an environment to answer the turns: set task.env",),
           "nothing was started", "Set `task.env` (e.g. `tools`) or leave max_turns at 1.",
           _config({"rollout": {"max_turns": 3}})),
+    Fault("config-staleness-uncorrected", "config", "carry-over with older tokens and no correction: "
+          "`pipeline=carryover algorithm.tis_cap=null`",
+          (E + "pipeline.max_staleness=1 trains tokens of older policies and needs a correction for them: set "
+               "algorithm.tis_cap (e.g. 2.0)",),
+          "nothing was started", "Set `algorithm.tis_cap`, or `pipeline.max_staleness=0`.",
+          _config({"pipeline": {"mode": "carryover", "max_staleness": 1}})),
+    Fault("config-staleness-sync", "config", "`pipeline.max_staleness=2` with `pipeline.mode=sync`",
+          (E + "pipeline.max_staleness=2 needs pipeline.mode=carryover (sync trains every group at the step that "
+               "generated it)",),
+          "nothing was started", "Add `pipeline=carryover`.", _config({"pipeline": {"max_staleness": 2}})),
+    Fault("config-concurrency", "config", "`pipeline.max_concurrency` below the group size",
+          (E + "pipeline.max_concurrency=2 is below algorithm.group_size=4: a group's samples run together",),
+          "nothing was started", "Raise it to at least `algorithm.group_size`, or null.",
+          _config({"pipeline": {"mode": "carryover", "max_concurrency": 2}})),
+    Fault("config-carryover-episodes", "config", "`pipeline=carryover` with multi-turn episodes",
+          (E + "pipeline.mode=carryover carries single-turn groups; multi-turn episodes (rollout.max_turns > 1) run "
+               "with pipeline.mode=sync",),
+          "nothing was started", "Use `pipeline=sync` for episodes.",
+          _config({"pipeline": {"mode": "carryover"}, "rollout": {"max_turns": 3}, "task": {"env": "tools"}})),
     Fault("config-unknown-option", "config", "an unknown choice of a config group: `algorithm=grpo2`",
           (E + "In 'grpo': Could not find 'algorithm/grpo2' Available options in 'algorithm': cispo dapo drgrpo grpo "
                "gspo ppo reinforce_pp reinforce_pp_baseline rloo",),
@@ -617,6 +652,12 @@ FAULTS: list[Fault] = [
                "distflow checkpoint never holds; refused (a checkpoint is data: distflow runs no code from it)",),
           "every file as it was; nothing in it ran", "Do not load checkpoints from untrusted sources.",
           _tampered_metadata),
+    Fault("checkpoint-carry-malformed", "checkpoints", "a carry-over checkpoint whose carried groups are "
+          "malformed (edited or cut short)",
+          (E + "checkpoint <tmp>/run/checkpoints/step_000001 is incomplete: <tmp>/run/checkpoints/step_000001/"
+               "rank_0.json is <N> bytes, the marker says <N>",),
+          "every file as it was", "Resume from an earlier checkpoint (`checkpoint.resume=<folder>`), or start afresh.",
+          _malformed_carry),
     Fault("checkpoint-other-model", "checkpoints", "`checkpoint.resume=force` onto a checkpoint of another model "
           "(other shapes)",
           (E + "checkpoint <tmp>/run/checkpoints/step_000001 does not fit this run's model: Size mismatch between saved "

@@ -38,7 +38,7 @@ class EngineGroup:
         self.engine, self.group = engine, group
         self.index, self.size = dist.get_rank(group), dist.get_world_size(group)
         self._queued: list[Request] = []  # submitted here, not yet gathered
-        self._mine: set[str] = set()  # this rank's requests pending in the engine (or queued)
+        self._own: set[str] = set()  # this rank's requests pending in the engine (or queued)
 
     def _gather(self, request: tuple) -> list[tuple]:
         parts: list = [None] * self.size
@@ -68,10 +68,10 @@ class EngineGroup:
 
     def submit(self, request: Request) -> None:
         """Queued until the group's next step, which gathers every rank's new requests."""
-        if request.request_id in self._mine:
+        if request.request_id in self._own:
             raise ValueError(f"request {request.request_id!r} is already pending")
         self._queued.append(request)
-        self._mine.add(request.request_id)
+        self._own.add(request.request_id)
 
     def step(self) -> list[tuple[str, list[Sample]]]:
         """One engine step for the whole group (a rank with nothing of its own still steps with the others)."""
@@ -92,7 +92,7 @@ class EngineGroup:
         for request_id, samples in self.engine.step():
             if request_id.startswith(prefix):
                 mine.append((request_id[len(prefix):], samples))
-                self._mine.discard(mine[-1][0])
+                self._own.discard(mine[-1][0])
         return mine
 
     def abort(self, request_ids: list[str]) -> dict[str, list[Sample]]:
@@ -100,17 +100,17 @@ class EngineGroup:
         queued comes back with nothing generated)."""
         queued = {r.request_id: r for r in self._queued if r.request_id in request_ids}
         self._queued = [r for r in self._queued if r.request_id not in queued]
-        sent = [i for i in request_ids if i in self._mine and i not in queued]
+        sent = [i for i in request_ids if i in self._own and i not in queued]
         parts = self._gather((("abort",), sent))
         partials = self.engine.abort([self._engine_id(index, i) for index, part in enumerate(parts) for i in part[1]])
         out = {i: partials[self._engine_id(self.index, i)] for i in sent if self._engine_id(self.index, i) in partials}
         out.update({i: [Sample(list(r.prompt_ids), [], [], True, versions=[]) for _ in range(r.n)] for i, r in queued.items()})
-        self._mine -= set(out) | set(sent)
+        self._own -= set(out) | set(sent)
         return out
 
     def pending(self) -> int:
         """This rank's own requests not yet finished or aborted."""
-        return len(self._mine)
+        return len(self._own)
 
     @property
     def version(self) -> int:
