@@ -8,8 +8,8 @@ trainer's start-up (a second or two), not a torchrun launch. The cases:
 - KL, entropy, truncated IS and dual-clip together; DAPO's dynamic sampling with a rank that keeps
   nothing, and with every group filtered out;
 - carry-over at eta = 0 is the sync run bit for bit (metrics and final weights; also with dynamic
-  sampling); at eta = 1 it keeps its bound, and a run stopped with groups carried and continued
-  equals one run straight through;
+  sampling and with multi-turn episodes); at eta = 1 it keeps its bound, and a run stopped with
+  groups (or episodes) carried and continued equals one run straight through;
 - PPO's critic warm-up, and a PPO run stopped at step 2 and continued that equals one run straight
   through (critic, optimizers and schedules restored bit for bit); launched again it has nothing
   to train, and another run (another seed) in its folder is refused;
@@ -77,6 +77,10 @@ def cases(tmp: Path) -> list[tuple[str, str, list[str], dict]]:
     exact = ["algorithm.tis_cap=2.0", "checkpoint.export_at_end=true"]
     # eta = 1, three groups in the engine at once: the boundary carries held and unstarted groups
     carry = ["pipeline=carryover", "pipeline.max_concurrency=12", "checkpoint.every=3"]
+    # 2-turn episodes, every one a calculator round trip (tests/support/envs_for_tests.py)
+    tools = ["task.env=envs_for_tests:ScriptedToolEnv", "+task.env_args={tools: [calculator]}", "rollout.max_turns=2",
+             "rollout.max_total_tokens=64", "rollout.max_prompt_tokens=352", "run.steps=3"]
+    odd = ["pipeline=carryover", "task.env=envs_for_tests:OddToolEnv"]  # one or two turns: steps stop between them
     run = [(f"algo_{a}", f"algo_{a}", [f"algorithm={a}", "run.steps=2"], {}) for a in ALGORITHMS]
     run += [
         ("grpo_padded", "grpo_padded", ["algorithm=grpo", "run.steps=1", "optim.shared_prefix=off"], {}),
@@ -94,6 +98,11 @@ def cases(tmp: Path) -> list[tuple[str, str, list[str], dict]]:
         ("carry_straight", "carry_straight", [*carry, "run.steps=6"], {}),
         ("carry_first_half", "carry_split", [*carry, "run.steps=3"], {}),
         ("carry_continued", "carry_split", [*carry, "run.steps=6", "checkpoint.resume=force"], {}),
+        ("tools_sync", "tools_sync", [*tools, *exact], {}),
+        ("tools_carryover_eta0", "tools_carryover_eta0", [*tools, *exact, "pipeline.mode=carryover"], {}),
+        ("tools_carry_straight", "tools_carry_straight", [*tools, *odd, "run.steps=4"], {}),
+        ("tools_carry_first_half", "tools_carry_split", [*tools, *odd, "run.steps=2", "checkpoint.every=2"], {}),
+        ("tools_carry_continued", "tools_carry_split", [*tools, *odd, "run.steps=4", "checkpoint.resume=force"], {}),
         ("ppo_straight", "ppo_straight", [*ppo, "run.steps=4"], {}),
         ("ppo_first_half", "ppo_split", [*ppo, "run.steps=2"], {}),
         ("ppo_continued", "ppo_split", [*ppo, "run.steps=4", "checkpoint.resume=force"], {}),
@@ -287,6 +296,26 @@ def test_carryover_at_eta_0_is_the_sync_run_bit_for_bit(runs):
     dapo = [_trained(runs, name, steps=2) for name in ("dapo_empty_rank", "dapo_carryover")]
     assert [stable_metrics(r) for r in dapo[0]] == [{k: v for k, v in stable_metrics(r).items() if k not in partial}
                                                     for r in dapo[1]]
+
+
+def test_carried_episodes_at_eta_0_are_the_sync_run_and_resume_exactly(runs):
+    """Multi-turn episodes are cut between turns: at eta = 0 the sync run bit for bit; at eta = 1 a run
+    stopped with episodes carried and continued equals one run straight through."""
+    sync, carry = _trained(runs, "tools_sync", steps=3), _trained(runs, "tools_carryover_eta0", steps=3)
+    partial = {"staleness/mean", "staleness/max", "timing/reprefill_s"} | {k for k in carry[0] if k.startswith("partial/")}
+    assert all(r["turns/mean"] > 1.0 and r["tool/calls"] > 0 for r in sync), sync
+    assert [stable_metrics(r) for r in sync] == [{k: v for k, v in stable_metrics(r).items() if k not in partial}
+                                                  for r in carry]
+    weights = [(runs["tmp"] / n / "hf_model" / "model.safetensors").read_bytes() for n in ("tools_sync", "tools_carryover_eta0")]
+    assert weights[0] == weights[1]
+    straight = _trained(runs, "tools_carry_straight", steps=4)
+    _trained(runs, "tools_carry_first_half", steps=2)
+    continued = _trained(runs, "tools_carry_continued", steps=4)
+    saved = json.loads((runs["tmp"] / "tools_carry_split" / "checkpoints" / "step_000002" / "rank_0.json").read_text())
+    assert saved["carry"]["groups"], "the checkpoint must hold carried episodes for this check"
+    assert [stable_metrics(r) for r in straight] == [stable_metrics(r) for r in continued]
+    assert all(r["staleness/max"] <= 1 and r["tool/calls"] > 0 for r in straight), straight
+    assert any(r["partial/reprefill_tokens"] > 0 for r in straight), straight  # episodes cut between turns
 
 
 def test_carryover_keeps_its_bound_and_resumes_exactly_with_groups_carried(runs):

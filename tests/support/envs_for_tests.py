@@ -28,6 +28,17 @@ class ScriptedToolEnv(ToolEnv):
         return Step(reward=0.05 * len(text), done=True)
 
 
+class OddToolEnv(ScriptedToolEnv):
+    """ScriptedToolEnv's round trip for items with an odd answer; an even one ends after the first
+    turn. Episodes of one step then take one or two turns, so a carry-over step can stop between
+    them with episodes open."""
+
+    def step(self, item: dict, transcript: list[dict]) -> Step:
+        if int(item["answer"]) % 2 == 0:
+            return Step(reward=0.05 * len(transcript[-1]["content"]), done=True)
+        return super().step(item, transcript)
+
+
 class EchoEnv:
     """A plain environment (no tools): echoes the length of each turn as a user message, forever.
     `mode` misbehaves on turn 2 of items whose answer is in `on` ("hang", "kill", "raise", "bad")."""

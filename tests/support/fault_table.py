@@ -410,11 +410,6 @@ FAULTS: list[Fault] = [
           (E + "pipeline.max_concurrency=2 is below algorithm.group_size=4: a group's samples run together",),
           "nothing was started", "Raise it to at least `algorithm.group_size`, or null.",
           _config({"pipeline": {"mode": "carryover", "max_concurrency": 2}})),
-    Fault("config-carryover-episodes", "config", "`pipeline=carryover` with multi-turn episodes",
-          (E + "pipeline.mode=carryover carries single-turn groups; multi-turn episodes (rollout.max_turns > 1) run "
-               "with pipeline.mode=sync",),
-          "nothing was started", "Use `pipeline=sync` for episodes.",
-          _config({"pipeline": {"mode": "carryover"}, "rollout": {"max_turns": 3}, "task": {"env": "tools"}})),
     Fault("config-unknown-option", "config", "an unknown choice of a config group: `algorithm=grpo2`",
           (E + "In 'grpo': Could not find 'algorithm/grpo2' Available options in 'algorithm': cispo dapo drgrpo grpo "
                "gspo ppo reinforce_pp reinforce_pp_baseline rloo",),

@@ -54,6 +54,12 @@ def test_the_rules():
                                                "pipeline.max_staleness = 4; stopping")
     assert schedule.deal([4, 5, 6, 7, 9], 1, 2) == [1, 3, 4] and schedule.deal([4, 5], 0, 1) == [0, 1]
     assert schedule.admit_order([(3, 10), (2, 30), (2, 20)]) == [2, 1, 0]
+    assert schedule.admissions(1, 1, 3, 2, True) == 9 and schedule.admissions(1, 1, 3, 2, False) == 3
+    assert schedule.admissions(4, 1, 3, 2, True) == 3 and schedule.admissions(4, 4, 3, 0, True) == 3
+    finished = [(2, 9), (3, 4), (1, 7), (3, 2)]  # (admitted, position) in finish order; eta 1 at step 3
+    assert schedule.hand_out(finished, 3, 1, 1) == [2, 0]  # both due: more than the quota
+    assert schedule.hand_out(finished, 3, 1, 3) == [1, 2, 0]  # then the earliest finished other
+    assert schedule.hand_out(finished, 3, 1, 4) == [3, 1, 2, 0] and schedule.hand_out([], 3, 1, 2) == []
     assert schedule.fits(0, 9, 4) and schedule.fits(2, 2, 4) and not schedule.fits(3, 2, 4) and schedule.fits(50, 8, None)
 
 

@@ -92,9 +92,6 @@ def _across_sections(cfg: DistflowConfig) -> list[tuple[bool, str]]:
         (cfg.pipeline.max_staleness == 0 or a.tis_cap is not None,
          f"pipeline.max_staleness={cfg.pipeline.max_staleness} trains tokens of older policies and needs a correction "
          "for them: set algorithm.tis_cap (e.g. 2.0)"),
-        (cfg.pipeline.mode == "sync" or r.max_turns == 1,
-         "pipeline.mode=carryover carries single-turn groups; multi-turn episodes (rollout.max_turns > 1) run with "
-         "pipeline.mode=sync"),
         (cfg.pipeline.max_concurrency is None or cfg.pipeline.max_concurrency >= a.group_size,
          f"pipeline.max_concurrency={cfg.pipeline.max_concurrency} is below algorithm.group_size={a.group_size}: "
          "a group's samples run together"),

@@ -9,10 +9,11 @@ trained twice or lost.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from distflow.rollout.schedule import deal
-from distflow.sample import Sample
+from distflow.sample import EpisodeInfo, Sample
 
 
 @dataclass
@@ -23,34 +24,42 @@ class CarriedGroup:
     admitted: int  # the step that admitted it: it trains by admitted + eta
     cuts: int  # times it was cut (keys the seeds of its continuations)
     samples: list[Sample]
+    # multi-turn episodes, cut between turns: which go on, and the turns the group has taken
+    open: list[bool] | None = None
+    turn: int = 0
 
     def tokens(self) -> int:
         return sum(len(s.response_ids) for s in self.samples)
 
     def to_data(self) -> dict:
         return {"position": self.position, "admitted": self.admitted, "cuts": self.cuts,
-                "samples": [_sample_data(s) for s in self.samples]}
+                "samples": [_sample_data(s) for s in self.samples], "open": self.open, "turn": self.turn}
 
     @staticmethod
     def from_data(d: dict) -> "CarriedGroup":
         try:
+            opened = d.get("open")
             return CarriedGroup(int(d["position"]), int(d["admitted"]), int(d["cuts"]),
-                                [_sample_from(s) for s in d["samples"]])
+                                [_sample_from(s) for s in d["samples"]],
+                                None if opened is None else [bool(o) for o in opened], int(d.get("turn", 0)))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"a carried group is malformed ({type(e).__name__}: {e})") from None
 
 
 def _sample_data(s: Sample) -> dict:
     return {"prompt_ids": s.prompt_ids, "response_ids": s.response_ids, "logprobs": s.logprobs,
-            "truncated": s.truncated, "versions": s.versions}
+            "truncated": s.truncated, "versions": s.versions, "mask": s.mask,
+            "episode": None if s.episode is None else dataclasses.asdict(s.episode)}
 
 
 def _sample_from(d: dict) -> Sample:
     ids, lps, versions = list(map(int, d["response_ids"])), list(map(float, d["logprobs"])), d["versions"]
     versions = None if versions is None else list(map(int, versions))
-    if len(lps) != len(ids) or (versions is not None and len(versions) != len(ids)):
-        raise ValueError("a carried sample's tokens, logprobs and versions differ in length")
-    return Sample(list(map(int, d["prompt_ids"])), ids, lps, bool(d["truncated"]), versions=versions)
+    mask = None if d.get("mask") is None else list(map(int, d["mask"]))
+    if len(lps) != len(ids) or any(x is not None and len(x) != len(ids) for x in (versions, mask)):
+        raise ValueError("a carried sample's tokens, logprobs, versions and mask differ in length")
+    episode = None if d.get("episode") is None else EpisodeInfo(**d["episode"])
+    return Sample(list(map(int, d["prompt_ids"])), ids, lps, bool(d["truncated"]), mask, episode, versions)
 
 
 class CarryBuffer:

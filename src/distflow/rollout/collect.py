@@ -27,6 +27,7 @@ from distflow.rollout.balance import balance_groups
 from distflow.rollout.carry import CarryBuffer
 from distflow.rollout.driver import CarryoverDriver, SyncSource
 from distflow.rollout.engines import build_engine
+from distflow.rollout.episode_driver import EpisodeCarryover
 from distflow.rollout.episodes import EpisodeRunner, SingleTurn
 from distflow.rollout.evaluation import evaluate
 from distflow.rollout.groups import Rollouts
@@ -55,8 +56,11 @@ class Rollout:
                                     lockstep=cfg.rollout.tensor_parallel_size > 1) \
             if self.task.multi_turn else SingleTurn(self.engine)
         self.carry = CarryBuffer(dist.rank, dist.world_size)  # checkpoint state in carry-over mode
-        self.source = CarryoverDriver(self.engine, cfg, self.carry) if cfg.pipeline.mode == "carryover" \
-            else SyncSource(self.runner, r.seed, cfg.algorithm.group_size)
+        self.source = SyncSource(self.runner, r.seed, cfg.algorithm.group_size)
+        if cfg.pipeline.mode == "carryover":
+            self.source = EpisodeCarryover(self.engine, self.runner, cfg, self.carry,
+                                           lambda p: self.items[self.sampler.item(p)]) \
+                if self.task.multi_turn else CarryoverDriver(self.engine, cfg, self.carry)
 
     # ----------------------------------------------------------------- generation
     def collect(self, step: int) -> tuple[Rollouts, Future]:

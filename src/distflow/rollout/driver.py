@@ -94,10 +94,7 @@ class CarryoverDriver:
 
     # ------------------------------------------------------------------ admission
     def admits(self, step: int, per_rank: int, first_round: bool) -> int:
-        """New positions a round admits: the quota, and at the run's first step eta steps' quotas
-        ahead, so that (eta + 1) steps of groups are in flight and a step can stop at its quota
-        while the rest runs on."""
-        return per_rank * (1 + self.eta) if step == self.first_step and first_round else per_rank
+        return schedule.admissions(step, self.first_step, per_rank, self.eta, first_round)
 
     def _admit_carried(self) -> None:
         carried, self.buffer.groups = self.buffer.groups, []
@@ -184,14 +181,11 @@ class CarryoverDriver:
                 self._collect(request_id, samples)
 
     def _hand_out(self, step: int, quota: int) -> Finished:
-        """Every due finished group, then the earliest finished others up to `quota`; the rest wait
-        (finished, nothing to generate) for a later step, at the latest their due one."""
-        due = [g for g in self.finished if schedule.due_step(g.admitted, self.eta) <= step]
-        others = [g for g in self.finished if schedule.due_step(g.admitted, self.eta) > step]
-        chosen = sorted(due + others[: max(0, quota - len(due))], key=lambda g: g.position)
-        taken = {g.position for g in chosen}
-        self.finished = [g for g in self.finished if g.position not in taken]
-        return Finished([g.position for g in chosen], [g.samples for g in chosen])
+        """Every due finished group, then the earliest finished others up to `quota` (schedule.hand_out)."""
+        chosen = schedule.hand_out([(g.admitted, g.position) for g in self.finished], step, self.eta, quota)
+        out = [self.finished[i] for i in chosen]
+        self.finished = [g for i, g in enumerate(self.finished) if i not in set(chosen)]
+        return Finished([g.position for g in out], [g.samples for g in out])
 
     def _collect(self, request_id: str, samples: list[Sample]) -> None:
         group = self.groups[self.request_group.pop(request_id)]

@@ -114,7 +114,7 @@ _MARKER = re.compile("\u2063distflow-content-(\\d+)\u2063")
 
 
 @dataclass
-class _Episode:
+class Episode:
     prompt_ids: list[int]
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
@@ -125,6 +125,12 @@ class _Episode:
 
     def sample(self) -> Sample:
         return Sample(self.prompt_ids, self.ids, self.logprobs, self.truncated, self.mask, self.info, self.versions)
+
+    @staticmethod
+    def of(s: Sample) -> "Episode":
+        """An episode again from its sample (a carried one, distflow.rollout.episode_driver)."""
+        return Episode(list(s.prompt_ids), list(s.response_ids), list(s.mask or [1] * len(s.response_ids)),
+                       list(s.logprobs), list(s.versions or []), s.episode or EpisodeInfo(), s.truncated)
 
 
 class EpisodeRunner:
@@ -141,7 +147,7 @@ class EpisodeRunner:
         self.budget, self.lockstep = rollout.response_budget(), lockstep
 
     def run(self, items: list[PromptItem], n: int, seeds: list[int], greedy: bool = False) -> list[list[Sample]]:
-        episodes = [_Episode(list(it.prompt_ids)) for it in items for _ in range(n)]
+        episodes = [Episode(list(it.prompt_ids)) for it in items for _ in range(n)]
         fields = [it.fields for it in items for _ in range(n)]
         active = list(range(len(episodes)))
         outputs = [s for g in self.engine.generate([it.prompt_ids for it in items], n, seeds, greedy) for s in g]
@@ -152,13 +158,13 @@ class EpisodeRunner:
                 contexts = [episodes[e].prompt_ids + episodes[e].ids for e in active]
                 turn_seeds = [derive_seed(seeds[e // n], e % n, turn) for e in active]
                 outputs = [g[0] for g in self.engine.generate(contexts, 1, turn_seeds, greedy)]
-            stepping = [e for e, out in zip(active, outputs) if self._add_turn(episodes[e], out)]
+            stepping = [e for e, out in zip(active, outputs) if self.add_turn(episodes[e], out)]
             results, _ = self.pool.steps([(fields[e], episodes[e].info.transcript) for e in stepping])
             active = [e for e, res in zip(stepping, results)
-                      if self._add_observation(episodes[e], res, last_turn=turn == self.cfg.max_turns)]
+                      if self.add_observation(episodes[e], res, last_turn=turn == self.cfg.max_turns)]
         return [[episodes[i * n + j].sample() for j in range(n)] for i in range(len(items))]
 
-    def _add_turn(self, ep: _Episode, out: Sample) -> bool:
+    def add_turn(self, ep: _Episode, out: Sample) -> bool:
         """Append a generated turn; True when the environment is to answer it (False: the turn
         was cut at the response budget, which ends the episode)."""
         room = self.budget - len(ep.ids)
@@ -174,7 +180,7 @@ class EpisodeRunner:
         ep.truncated = out.truncated or len(ids) < len(out.response_ids)
         return len(ids) == len(out.response_ids)
 
-    def _add_observation(self, ep: _Episode, result: tuple, last_turn: bool) -> bool:
+    def add_observation(self, ep: _Episode, result: tuple, last_turn: bool) -> bool:
         """Apply the environment's step; True when the episode goes on to another turn."""
         kind, step = result
         if kind != "ok":  # the step raised, returned no Step, timed out or killed its worker

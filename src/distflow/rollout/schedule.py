@@ -17,6 +17,23 @@ def due_step(admitted: int, max_staleness: int) -> int:
     return admitted + max_staleness
 
 
+def admissions(step: int, first_step: int, per_rank: int, max_staleness: int, first_round: bool) -> int:
+    """New positions a round admits: the quota, and at the run's first step eta steps' quotas ahead,
+    so that (eta + 1) steps of groups are in flight and a step can stop at its quota while the rest
+    runs on."""
+    return per_rank * (1 + max_staleness) if step == first_step and first_round else per_rank
+
+
+def hand_out(finished: list[tuple[int, int]], step: int, max_staleness: int, quota: int) -> list[int]:
+    """Which finished groups a round hands out: every due one, then the earliest other finished ones
+    up to `quota`; the rest wait (finished, nothing to generate), at the latest until their due step.
+    `finished` holds (admitted step, position) in the order the groups finished; returns indices
+    into it, in position order."""
+    due = [i for i, (a, _) in enumerate(finished) if due_step(a, max_staleness) <= step]
+    others = [i for i, (a, _) in enumerate(finished) if due_step(a, max_staleness) > step]
+    return sorted(due + others[: max(0, quota - len(due))], key=lambda i: finished[i][1])
+
+
 def round_done(finished: int, quota: int, due_running: int) -> bool:
     """A round of step generation may stop: `quota` groups finished since it began, none due runs."""
     return finished >= quota and due_running == 0
