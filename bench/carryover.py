@@ -4,12 +4,13 @@ Workload: a synthetic long tail, independent of learning. Each prompt position's
 fixed length (end-of-sequence ignored) drawn from a seeded lognormal whose p99 is 20x its median,
 capped at the p99 (rollout.max_new_tokens). One trainer (the real loop: generate, logprobs,
 update, resync) runs every mode in turn, segments of --steps steps alternated over --repeats
-(sync, eta=1, eta=3, sync, ...), on the same prompts and seeds; each segment starts with an empty
-engine and carry buffer (its first step admits eta quotas ahead). `sync` is the driver at eta = 0,
+(sync, eta=1, eta=3, sync, ...), every mode of a repeat on the same prompt positions and seeds;
+each segment starts with an empty engine and carry buffer (its first step admits eta quotas
+ahead; the groups left in the buffer at its end are dropped). `sync` is the driver at eta = 0,
 which makes exactly the synchronous engine calls.
 
-Per mode (medians over its steps, the slowest rank's phase times): generate, update and step
-seconds, mean running sequences per engine step, carried and re-prefilled tokens, staleness
+Per mode (means over its steps but each segment's first, which fills the window; the slowest
+rank's phase times): generate, update and step seconds, mean running sequences per engine step, carried and re-prefilled tokens, staleness
 mean/max, and the generate and step ratios vs sync. The design's model (shared async-design §4)
 predicts the generate ratio from tau(b) = tau0 + tau1 * b fitted to the sync segments' engine
 steps: (tau0 L/(eta+1) + tau1 K) / (tau0 L + tau1 K), L the longest response, K the tokens a
@@ -70,7 +71,9 @@ def worker(a) -> None:
     length = lengths(a.seed, a.max_new_tokens)
     rows = []
     for rep in range(a.repeats):
+        start = trainer.rollout.sampler.state_dict()  # every mode of a repeat draws the same positions
         for eta in MODES:
+            trainer.rollout.sampler.load_state_dict(start)
             trainer.cfg.pipeline.max_staleness = eta
             first = trainer.step + 1
             driver = CarryoverDriver(trainer.rollout.engine, trainer.cfg, CarryBuffer(trainer.dist.rank, trainer.dist.world_size),
@@ -90,7 +93,9 @@ def worker(a) -> None:
 
 def summarise(rows: list[dict], cap: int) -> list[dict]:
     by = {eta: [r for r in rows if r["eta"] == eta and not r["first"]] for eta in MODES}
-    med = {eta: {k: statistics.median(r[f"timing/{k}_s"] for r in rs) for k in ("generate", "update", "step")}
+    # means, not medians: a carry-over step that hands out finished groups may generate nothing, so
+    # its step times are bimodal; the mean is the time per step a run pays
+    med = {eta: {k: statistics.fmean(r[f"timing/{k}_s"] for r in rs) for k in ("generate", "update", "step")}
            for eta, rs in by.items()}
     trace = [t for r in rows if r["eta"] == 0 and "trace" in r for t in r["trace"]]
     tau0, tau1 = fit_tau(trace)
