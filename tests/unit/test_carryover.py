@@ -175,3 +175,19 @@ def test_a_driver_rebuilt_from_its_saved_buffer_continues_exactly(engine):
         assert sorted(a) == sorted(b) and counts_a["carried_tokens"] == counts_b["carried_tokens"]
         for p in a:
             assert key(a[p]) == key(b[p])
+
+
+def test_the_trainer_stops_every_rank_on_a_token_older_than_its_bound():
+    """What the trainer checks where it trains (one all_reduce(min); a lone process here): a token
+    of version 3 at step 5 holds for eta = 1 and stops the run with one line for eta = 0."""
+    from distflow.errors import RunAborted
+    from distflow.trainer import Trainer
+
+    trainer = Trainer.__new__(Trainer)  # only the check: no run, no models
+    trainer.cfg, trainer.step = carry_config(1), 5
+    samples = [Sample([1], [2, 3], [0.0, 0.0], False, versions=[3, 4]), Sample([1], [], [], True, versions=[])]
+    trainer.check_staleness(samples)
+    trainer.cfg.pipeline.max_staleness = 0
+    with pytest.raises(RunAborted, match=r"^step 5: a token of policy version 3 would train, older than step - 1 - "
+                                         r"pipeline.max_staleness = 4; stopping$"):
+        trainer.check_staleness(samples)
