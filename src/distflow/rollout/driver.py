@@ -58,6 +58,61 @@ class SyncSource:
         return {}
 
 
+class CarrySteps:
+    """The carry-over schedule's bookkeeping both carry-over drivers keep (this module's, and
+    distflow.rollout.episode_driver's): the groups in flight and those finished, per step the
+    counts, when a round may stop, what it hands out, and what the step boundary carries.
+    A group here has `position` and `admitted`; `trained(group)` is its samples as trained."""
+
+    def __init__(self, cfg: DistflowConfig, buffer: CarryBuffer, first_step: int = 1):
+        self.buffer, self.first_step = buffer, first_step
+        self.seed, self.group_size, self.eta = cfg.run.seed, cfg.algorithm.group_size, cfg.pipeline.max_staleness
+        self.groups: dict = {}  # position -> group in flight, in admission order
+        self.finished: list = []  # finished, not yet handed out (in the order they finished)
+        self.step: int | None = None  # the step whose rounds run
+        self.metrics: dict[str, float] = {}
+        self._forced_counted = False
+
+    def admits(self, step: int, per_rank: int, first_round: bool) -> int:
+        return schedule.admissions(step, self.first_step, per_rank, self.eta, first_round)
+
+    def _start_round(self, step: int) -> bool:
+        """A round begins; True when it is the step's first (its counts start afresh: the caller
+        admits the carried groups then)."""
+        self._forced_counted = False
+        if self.step == step:
+            return False
+        self.step, self.metrics = step, {"forced_groups": 0.0, "reprefill_tokens": 0.0, "reprefill_s": 0.0}
+        return True
+
+    def _may_stop(self, step: int, quota: int) -> bool:
+        """The round may stop: `quota` groups finished and none due at `step` in flight (the due
+        ones still in flight once the quota is in count as forced, once a round)."""
+        due = sum(1 for g in self.groups.values() if schedule.due_step(g.admitted, self.eta) <= step)
+        if not self._forced_counted and len(self.finished) >= quota and due:
+            self.metrics["forced_groups"] += due  # the quota is in, but these must finish now
+            self._forced_counted = True
+        return schedule.round_done(len(self.finished), quota, due)
+
+    def _complete(self, group) -> None:
+        del self.groups[group.position]
+        self.finished.append(group)
+
+    def _hand_out(self, step: int, quota: int, trained: Callable) -> Finished:
+        """Every due finished group, then the earliest finished others up to `quota` (schedule.hand_out)."""
+        chosen = schedule.hand_out([(g.admitted, g.position) for g in self.finished], step, self.eta, quota)
+        out = [self.finished[i] for i in chosen]
+        self.finished = [g for i, g in enumerate(self.finished) if i not in set(chosen)]
+        return Finished([g.position for g in out], [trained(g) for g in out])
+
+    def _carry(self, carried: list[CarriedGroup]) -> dict[str, float]:
+        """The step boundary: `carried` becomes the buffer; the step's carry-over counts."""
+        self.groups, self.finished, self.buffer.groups = {}, [], carried
+        metrics, self.metrics, self.step = self.metrics, {}, None
+        metrics.update(carried_groups=float(len(carried)), carried_tokens=float(sum(g.tokens() for g in carried)))
+        return metrics
+
+
 @dataclass
 class _Group:
     """A group in the engine this step: its samples so far (None: still running) and its requests."""
@@ -70,7 +125,7 @@ class _Group:
     partial: list[Sample] | None = None  # a carried group's samples as they were cut
 
 
-class CarryoverDriver:
+class CarryoverDriver(CarrySteps):
     """The step-wise engine driven for pipeline.mode=carryover (see the module docstring)."""
 
     def __init__(self, engine, cfg: DistflowConfig, buffer: CarryBuffer, lengths: Callable[[int], int] | None = None,
@@ -78,24 +133,16 @@ class CarryoverDriver:
         """`lengths`: a fixed response length per position, end-of-sequence ignored (a synthetic
         workload's tail, bench/carryover.py); None: rollout.max_new_tokens, ended by the model.
         `first_step`: where the window of eta steps ahead is admitted (a run's step 1)."""
-        self.engine, self.buffer, self.lengths, self.first_step = engine, buffer, lengths, first_step
+        super().__init__(cfg, buffer, first_step)
+        self.engine, self.lengths = engine, lengths
         # a list: (running samples, seconds, whether it prefilled new requests) per engine step
         self.trace: list[tuple[int, float, bool]] | None = None
-        self.seed, self.group_size = cfg.run.seed, cfg.algorithm.group_size
-        self.eta, self.concurrency = cfg.pipeline.max_staleness, cfg.pipeline.max_concurrency
-        self.budget = cfg.rollout.max_new_tokens
-        self.groups: dict[int, _Group] = {}  # position -> group in the engine
+        self.concurrency, self.budget = cfg.pipeline.max_concurrency, cfg.rollout.max_new_tokens
         self.waiting: list[Request] = []  # over max_concurrency: submitted as room frees
         self.request_group: dict[str, int] = {}  # request id -> position
         self.running_samples = 0
-        self.finished: list[_Group] = []  # finished, not yet handed out (in the order they finished)
-        self.step: int | None = None  # the step whose rounds run
-        self.metrics: dict[str, float] = {}
 
     # ------------------------------------------------------------------ admission
-    def admits(self, step: int, per_rank: int, first_round: bool) -> int:
-        return schedule.admissions(step, self.first_step, per_rank, self.eta, first_round)
-
     def _admit_carried(self) -> None:
         carried, self.buffer.groups = self.buffer.groups, []
         for i in schedule.admit_order([(g.admitted, g.position) for g in carried]):
@@ -152,26 +199,20 @@ class CarryoverDriver:
         """Admit (carried groups first, in the step's first round) and step the engine until
         `quota` groups have finished and none due at this step runs; hands out every due group
         and the earliest finished others up to the quota, in position order."""
-        first = self.step != step
+        first = self._start_round(step)
         if first:
-            self.step = step
-            self.metrics = {"forced_groups": 0.0, "reprefill_tokens": 0.0, "reprefill_s": 0.0}
             self._admit_carried()
         self._admit_new(step, positions, items)
-        reprefilling, forced_counted = first and self.metrics["reprefill_tokens"] > 0, False
+        reprefilling = first and self.metrics["reprefill_tokens"] > 0
         while True:
-            due = sum(1 for g in self.groups.values() if schedule.due_step(g.admitted, self.eta) <= step)
-            stop = schedule.round_done(len(self.finished), quota, due)
-            if not forced_counted and len(self.finished) >= quota and due:
-                self.metrics["forced_groups"] += due  # the quota is in, but these must finish now
-                forced_counted = True
+            stop = self._may_stop(step, quota)
             if not stop and not self.groups:
                 raise RuntimeError(f"step {step}: the round waits for groups that are not in the engine")
             prefills = self._submit_waiting()
             t0 = time.perf_counter()
             out = step_unless(self.engine, stop)
             if out is None:
-                return self._hand_out(step, quota)
+                return self._hand_out(step, quota, lambda g: g.samples)
             if reprefilling:  # the engine step that prefilled the carried samples again
                 self.metrics["reprefill_s"] += time.perf_counter() - t0
                 reprefilling = False
@@ -180,13 +221,6 @@ class CarryoverDriver:
             for request_id, samples in out:
                 self._collect(request_id, samples)
 
-    def _hand_out(self, step: int, quota: int) -> Finished:
-        """Every due finished group, then the earliest finished others up to `quota` (schedule.hand_out)."""
-        chosen = schedule.hand_out([(g.admitted, g.position) for g in self.finished], step, self.eta, quota)
-        out = [self.finished[i] for i in chosen]
-        self.finished = [g for i, g in enumerate(self.finished) if i not in set(chosen)]
-        return Finished([g.position for g in out], [g.samples for g in out])
-
     def _collect(self, request_id: str, samples: list[Sample]) -> None:
         group = self.groups[self.request_group.pop(request_id)]
         self.running_samples -= len(samples)
@@ -194,10 +228,6 @@ class CarryoverDriver:
             group.samples[k] = self._joined(group, k, s)
         if all(s is not None for s in group.samples):
             self._complete(group)
-
-    def _complete(self, group: _Group) -> None:
-        del self.groups[group.position]
-        self.finished.append(group)
 
     def _joined(self, group: _Group, k: int, s: Sample) -> Sample:
         """A sample as trained: what it had before the cut, then what followed, under its own prompt."""
@@ -222,8 +252,5 @@ class CarryoverDriver:
         assert not self.request_group, f"requests left after the cut: {sorted(self.request_group)}"
         self.running_samples = 0
         carried = [CarriedGroup(g.position, g.admitted, g.cuts, list(g.samples)) for g in self.finished]
-        carried += [CarriedGroup(g.position, g.admitted, g.cuts + 1, list(g.samples)) for g in self.groups.values()]
-        self.groups, self.finished, self.buffer.groups = {}, [], carried
-        metrics, self.metrics, self.step = self.metrics, {}, None
-        metrics.update(carried_groups=float(len(carried)), carried_tokens=float(sum(g.tokens() for g in carried)))
-        return metrics
+        return self._carry(carried + [CarriedGroup(g.position, g.admitted, g.cuts + 1, list(g.samples))
+                                      for g in self.groups.values()])

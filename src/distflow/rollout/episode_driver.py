@@ -22,7 +22,7 @@ from distflow.config import DistflowConfig
 from distflow.rollout import schedule
 from distflow.rollout.base import Request, step_unless
 from distflow.rollout.carry import CarriedGroup, CarryBuffer
-from distflow.rollout.driver import Finished
+from distflow.rollout.driver import CarrySteps, Finished
 from distflow.rollout.episodes import EpisodeRunner, Episode
 from distflow.sample import Sample
 from distflow.seeds import derive_seed, sample_seed
@@ -39,46 +39,27 @@ class _Group:
     resumed: bool = False  # carried in: its next turn re-prefills its context
 
 
-class EpisodeCarryover:
+class EpisodeCarryover(CarrySteps):
     """pipeline.mode=carryover with rollout.max_turns > 1 (see the module docstring)."""
 
     def __init__(self, engine, runner: EpisodeRunner, cfg: DistflowConfig, buffer: CarryBuffer, item_of):
         """`item_of(position)`: the PromptItem at a stream position (a carried group's fields)."""
-        self.engine, self.runner, self.buffer, self.item_of = engine, runner, buffer, item_of
-        self.seed, self.group_size = cfg.run.seed, cfg.algorithm.group_size
-        self.eta, self.max_turns, self.first_step = cfg.pipeline.max_staleness, cfg.rollout.max_turns, 1
-        self.groups: dict[int, _Group] = {}  # position -> group in flight, in admission order
-        self.finished: list[_Group] = []
-        self.step: int | None = None
-        self.metrics: dict[str, float] = {}
-
-    def admits(self, step: int, per_rank: int, first_round: bool) -> int:
-        return schedule.admissions(step, self.first_step, per_rank, self.eta, first_round)
+        super().__init__(cfg, buffer)
+        self.engine, self.runner, self.item_of, self.max_turns = engine, runner, item_of, cfg.rollout.max_turns
 
     # ------------------------------------------------------------------ a round
     def round(self, step: int, positions: list[int], items: list, quota: int) -> Finished:
-        if self.step != step:
-            self.step = step
-            self.metrics = {"forced_groups": 0.0, "reprefill_tokens": 0.0, "reprefill_s": 0.0}
+        if self._start_round(step):
             self._admit_carried()
         for position, item in zip(positions, items):
             self.groups[position] = _Group(position, step, item.fields,
                                            [Episode(list(item.prompt_ids)) for _ in range(self.group_size)],
                                            [True] * self.group_size)
-        forced_counted = False
         while True:
-            due = sum(1 for g in self.groups.values() if schedule.due_step(g.admitted, self.eta) <= step)
-            stop = schedule.round_done(len(self.finished), quota, due)
-            if not forced_counted and len(self.finished) >= quota and due:
-                self.metrics["forced_groups"] += due
-                forced_counted = True
-            wave = [] if stop else list(self.groups.values())
+            wave = [] if self._may_stop(step, quota) else list(self.groups.values())
             outputs = self._generate(wave)
             if outputs is None:  # every rank's round may stop
-                chosen = schedule.hand_out([(g.admitted, g.position) for g in self.finished], step, self.eta, quota)
-                out = [self.finished[i] for i in chosen]
-                self.finished = [g for i, g in enumerate(self.finished) if i not in set(chosen)]
-                return Finished([g.position for g in out], [[e.sample() for e in g.episodes] for g in out])
+                return self._hand_out(step, quota, lambda g: [e.sample() for e in g.episodes])
             if wave:
                 self._answer(wave, outputs)
 
@@ -125,8 +106,7 @@ class EpisodeCarryover:
             g.open[k] = self.runner.add_observation(g.episodes[k], result, last_turn=g.turn == self.max_turns)
         for g in wave:
             if not any(g.open):
-                del self.groups[g.position]
-                self.finished.append(g)
+                self._complete(g)
 
     # ------------------------------------------------------------------ the step boundary
     def _admit_carried(self) -> None:
@@ -144,10 +124,5 @@ class EpisodeCarryover:
         """Carry every group still open (the engine is empty: waves end whole) and the held ones."""
         held = [CarriedGroup(g.position, g.admitted, 0, [e.sample() for e in g.episodes], list(g.open), g.turn)
                 for g in self.finished]
-        running = [CarriedGroup(g.position, g.admitted, 1, [e.sample() for e in g.episodes], list(g.open), g.turn)
-                   for g in self.groups.values()]
-        self.buffer.groups, self.groups, self.finished = held + running, {}, []
-        metrics, self.metrics, self.step = self.metrics, {}, None
-        metrics.update(carried_groups=float(len(self.buffer)),
-                       carried_tokens=float(sum(g.tokens() for g in self.buffer.groups)))
-        return metrics
+        return self._carry(held + [CarriedGroup(g.position, g.admitted, 1, [e.sample() for e in g.episodes],
+                                                list(g.open), g.turn) for g in self.groups.values()])
