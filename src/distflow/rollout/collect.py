@@ -48,7 +48,6 @@ class Rollout:
         self.heldout = task.rows("heldout") if cfg.validation.wanted else []
         self.sampler = ShardedSampler(len(self.items), dist.rank, dist.world_size, r.seed, cfg.data.shuffle)
         self.scoring_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distflow-scoring")
-        self.version = 0  # the policy version the engine holds: optimizer steps it has seen
         with timer.phase("startup:engine"):  # most of the start-up's memory and time
             self.engine = build_engine(model_path, cfg.model, cfg.rollout, dist.device, r.seed, engine_group)
         # single-turn generation, or multi-turn episodes with the task's environment
@@ -120,18 +119,21 @@ class Rollout:
                             self.cfg.validation.pass_k, seed=self.cfg.run.seed)
 
     # ----------------------------------------------------------------- the engine's weights
+    @property
+    def version(self) -> int:
+        """The policy version the engine holds: optimizer steps it has seen."""
+        return self.engine.version
+
     def prompt_logprobs(self, seqs: list[list[int]]) -> list[list[float]]:
         return self.engine.prompt_logprobs(seqs)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Replace the engine's weights from a stream of (HF name, full tensor); wakes it."""
         self.engine.load_weights(weights, version)
-        self.version = version
 
     def load_adapter(self, tensors: dict[str, torch.Tensor], config, version: int) -> None:
         """A LoRA policy's adapters only (model.lora.resync=adapter); wakes the engine."""
         self.engine.load_adapter(tensors, config, version)
-        self.version = version
 
     def sleep(self) -> None:
         """Free what the engine can for the update; the next load_weights/load_adapter wakes it."""
