@@ -164,7 +164,7 @@ class EpisodeRunner:
                       if self.add_observation(episodes[e], res, last_turn=turn == self.cfg.max_turns)]
         return [[episodes[i * n + j].sample() for j in range(n)] for i in range(len(items))]
 
-    def add_turn(self, ep: _Episode, out: Sample) -> bool:
+    def add_turn(self, ep: Episode, out: Sample) -> bool:
         """Append a generated turn; True when the environment is to answer it (False: the turn
         was cut at the response budget, which ends the episode)."""
         room = self.budget - len(ep.ids)
@@ -180,7 +180,7 @@ class EpisodeRunner:
         ep.truncated = out.truncated or len(ids) < len(out.response_ids)
         return len(ids) == len(out.response_ids)
 
-    def add_observation(self, ep: _Episode, result: tuple, last_turn: bool) -> bool:
+    def add_observation(self, ep: Episode, result: tuple, last_turn: bool) -> bool:
         """Apply the environment's step; True when the episode goes on to another turn."""
         kind, step = result
         if kind != "ok":  # the step raised, returned no Step, timed out or killed its worker
