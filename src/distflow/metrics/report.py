@@ -65,8 +65,9 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
     if cfg.task.env:
         sums.update(episode_sums(samples))
     carryover = cfg.pipeline.mode == "carryover"
+    ages = token_ages(step, samples) if carryover else []
     if carryover:
-        sums.update(carryover_sums(step, samples, stats.pipeline))
+        sums.update(carryover_sums(ages, stats.pipeline))
     timing = with_compute(timing)
     maxima = {f"timing/{k}_s": v for k, v in timing.items()}
     maxima.update({"timing/slowest_rank": slowest_rank_code(timing["compute"]),
@@ -74,7 +75,7 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
                    "dynamic_sampling/rounds": float(stats.rounds), "mismatch/abs_max": s.mismatch.abs_max,
                    **gpu_memory()})
     if carryover:
-        maxima.update({"staleness/max": float(max(token_ages(step, samples), default=0)),
+        maxima.update({"staleness/max": float(max(ages, default=0)),
                        "timing/reprefill_s": stats.pipeline.get("reprefill_s", 0.0)})
     g = reduce_step_metrics(sums, maxima, {f"timing/{k}_min_s": v for k, v in timing.items()})
     g["timing/slowest_rank"] = float(int(g["timing/slowest_rank"]) % rank_and_world()[1])
@@ -149,9 +150,9 @@ def token_ages(step: int, samples: list) -> list[int]:
     return staleness(step, [v for x in samples for v in (x.versions or [])])
 
 
-def carryover_sums(step: int, samples: list, pipeline: dict[str, float]) -> dict[str, float]:
-    """This rank's carry-over counts (distflow.rollout.driver) and its tokens' staleness, to be summed."""
-    ages = token_ages(step, samples)
+def carryover_sums(ages: list[int], pipeline: dict[str, float]) -> dict[str, float]:
+    """This rank's carry-over counts (distflow.rollout.driver) and its tokens' staleness (`ages`,
+    token_ages), to be summed."""
     return {"staleness_sum": float(sum(ages)), "staleness_tokens": float(len(ages)),
             **{f"partial/{k}": pipeline.get(k, 0.0) for k in PARTIAL_KEYS}}
 
