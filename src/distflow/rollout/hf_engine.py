@@ -132,13 +132,13 @@ class HFEngine:
         """One token per row and its logprob under the scores it was drawn from (greedy: the raw
         logits' argmax; sampled: temperature and top-p, as `generate`'s output_scores were)."""
         greedy = [self._running[rid].generator is None for rid, _ in self._rows]
+        tokens = logits.argmax(-1)
         if all(greedy):
-            return logits.argmax(-1), logits.log_softmax(-1).gather(-1, logits.argmax(-1)[:, None]).squeeze(-1)
+            return tokens, logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
         scores = warp(logits, self.cfg.temperature, self.cfg.top_p)
         if any(greedy):
             scores = torch.where(torch.tensor(greedy, device=logits.device)[:, None], logits, scores)
         probs = scores.softmax(-1)
-        tokens = logits.argmax(-1)
         start = 0
         while start < len(self._rows):  # a request's running rows are consecutive in the batch
             rid, end = self._rows[start][0], start + 1

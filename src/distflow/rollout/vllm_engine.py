@@ -276,7 +276,7 @@ class VLLMEngine:
         while self._waiting:
             request = self._waiting[0]
             cost = request.n * len(request.prompt_ids)
-            if self.on_cpu and cost > room and (admitted or room < self.token_budget):
+            if self.on_cpu and cost > room and admitted:  # nothing admitted: the room is the whole budget
                 break
             self._waiting.pop(0)
             room, admitted = room - cost, admitted + request.n
