@@ -292,7 +292,7 @@ def _malformed_carry(scene: Scene) -> None:
 
     rank_file = scene.checkpoint / "rank_0.json"
     state = json.loads(rank_file.read_text())
-    state["carry"] = {"groups": [{"position": 4, "admitted": 1, "cuts": 1}], "world_size": 1}
+    state["carry"] = {"groups": [{"position": 4, "admitted": 1, "cuts": 1}]}
     rank_file.write_text(json.dumps(state))
     checkpointer = Checkpointer(scene.checkpoint.parent, keep_last=1, rank=0)
     checkpointer.register("carry", CarryBuffer(0, 1), "rank")

@@ -73,7 +73,7 @@ class CarryBuffer:
         return len(self.groups)
 
     def state_dict(self) -> dict:
-        return {"groups": [g.to_data() for g in self.groups], "world_size": self.world_size}
+        return {"groups": [g.to_data() for g in self.groups]}  # the marker holds the world size
 
     def load_state_dict(self, state: dict) -> None:
         self.groups = [CarriedGroup.from_data(g) for g in state["groups"]]
