@@ -143,7 +143,7 @@ def main() -> None:
     C.fresh(out, wd / "run")
     overrides = C.distflow_overrides(args.model, wd / "run", steps * repeats * len(MODES), prompts, args.group_size, cap,
                                      1e-6, args.engine, [f"model.dtype={args.dtype}", "pipeline.mode=carryover",
-                                                         "algorithm.tis_cap=2.0", "run.sync_probe_every=1000", *args.set])
+                                                         "rollout_correction=token_tis", "run.sync_probe_every=1000", *args.set])
     print(f"[carryover] {args.engine} {args.model} nproc={args.nproc} cap={cap} {prompts}x{args.group_size}", flush=True)
     C.torchrun(__file__, ["--worker", "--overrides", json.dumps(overrides), "--out", str(out), "--steps", str(steps),
                           "--repeats", str(repeats), "--max-new-tokens", str(cap), "--seed", "0"],

@@ -299,7 +299,8 @@ def _observation_tokens_get_no_gradient(policy, samples, cfg, pad_id) -> int:
     """Observation tokens get no gradient: (1) observation ids at the end of a sequence replaced by
     other ids, and (2) advantages, old, reference and engine logprobs changed on every observation
     position, give the same loss and gradients (KL and truncated IS on)."""
-    cfg.algorithm.kl_coef, cfg.algorithm.tis_cap, cfg.algorithm.advantage = 0.05, 2.0, "grpo"
+    cfg.algorithm.kl_coef, cfg.algorithm.advantage = 0.05, "grpo"
+    cfg.algorithm.rollout_correction.rollout_is = "token"
     g = torch.Generator().manual_seed(5)
 
     def run(batch):

@@ -62,7 +62,7 @@ CASES = {  # name: (recipe overrides, options)
     # clip-higher, the overlong filter (truncated samples out of the loss), dual clip and TIS,
     # mini-batches, and a budget that splits a group
     "dapo": (["algorithm=dapo", "algorithm.overlong_filter=true", "algorithm.entropy_coef=0.01",
-              "algorithm.dual_clip_c=3.0", "algorithm.tis_cap=2.0", f"optim.micro_batch_tokens={BUDGET}",
+              "algorithm.dual_clip_c=3.0", "rollout_correction=token_tis", f"optim.micro_batch_tokens={BUDGET}",
               "optim.mini_batches=2"], {}),
     # the critic's values, GAE advantages and the clipped value loss; the plain (unchunked) head
     "ppo": (["algorithm=ppo", "algorithm.entropy_coef=0.01", "critic.value_clip=0.02",

@@ -3,8 +3,9 @@
 The same global batch (rewards, samples, old/reference/engine logprobs) is processed on 1 rank
 and split over 2 ranks with real gloo process groups and a real FSDP2 policy. Advantages
 (including REINFORCE++'s global whitening), the loss and the full gradients must agree to
-rel. 1e-5, with KL, entropy, truncated IS and dual-clip switched on. The token-level estimators
-alone, on uneven shards of real gloo ranks, equal one process too.
+rel. 1e-5, with KL, entropy, truncated IS and dual-clip switched on. Every rollout-correction mode,
+on padded and packed rows, gives the loss of a reference written out here to rel. 1e-6 on both
+layouts. The token-level estimators alone, on uneven shards of real gloo ranks, equal one process too.
 """
 
 import math
@@ -20,6 +21,7 @@ from launch_helpers import ROOT
 from grad_helpers import fixed_batch
 from config_helpers import fp32_config
 from distflow.algorithms import ADVANTAGE_ESTIMATORS, CRITIC_ESTIMATORS, LOSS_AGG_MODES, AdvantageInputs
+from distflow.algorithms.correction_metrics import HEAD
 from distflow.train.batch import TokenBatch
 from distflow.config import AlgorithmConfig, DistflowConfig
 from distflow.distributed import all_reduce
@@ -36,7 +38,8 @@ def _algorithm(path) -> AlgorithmConfig:
     node = node["algorithm"] if "algorithm" in node else node  # a `_global_` package (ppo also sets critic)
     a = DistflowConfig.from_dict({"algorithm": node}).algorithm
     # the cap and the dual clip are set where this batch's ratios reach them (asserted below)
-    a.group_size, a.kl_coef, a.entropy_coef, a.tis_cap = GROUP, 0.05, 0.01, 1.02
+    a.group_size, a.kl_coef, a.entropy_coef = GROUP, 0.05, 0.01
+    a.rollout_correction.rollout_is, a.rollout_correction.rollout_is_threshold = "token", 1.02
     a.dual_clip_c = 1.2 if a.policy_loss == "ppo_clip" else None
     return a
 
@@ -89,14 +92,113 @@ def _worker(rank, world, model_dir):
             sums = Updater(cfg, 0).backward_policy(policy, batch, list(range(len(batch))))
             grads = full_grads(policy.model)
             policy.optimizer.zero_grad(set_to_none=True)
-            fired = [float(all_reduce(sums.dual_clip)), float(all_reduce(_capped(batch, cfg.algorithm.tis_cap)))]
+            fired = [float(all_reduce(sums.dual_clip)),
+                     float(all_reduce(_capped(batch, cfg.algorithm.rollout_correction.rollout_is_threshold)))]
             results[(path.stem, mode)] = (sum(every_rank, []), float(all_reduce(sums.loss)), grads, fired)
+    results.update(_correction_cases(cfg, policy, local, rewards.reshape(-1)[lo:hi], old))
     return results
+
+
+# Rollout corrections on 1 and 2 ranks, padded and packed rows, each against the reference below
+CORRECTIONS = {  # the bands sit where this batch's ratios cross them (rho in [0.85, 1.1])
+    "token_tis": dict(rollout_is="token", rollout_is_threshold=1.05),
+    "seq_tis_normalised": dict(rollout_is="sequence", rollout_is_threshold=1.1, rollout_is_batch_normalize=True),
+    "token_tis_normalised": dict(rollout_is="token", rollout_is_threshold=1.05, rollout_is_batch_normalize=True),
+    "icepop": dict(rollout_is="token", rollout_is_threshold=5.0, rollout_rs="token", rollout_rs_threshold=1.1,
+                   rollout_rs_threshold_lower=0.9),
+    "seq_mis": dict(rollout_is="sequence", rollout_is_threshold=1.07, rollout_rs="sequence",
+                    rollout_rs_threshold=1.07, rollout_rs_threshold_lower=0.87),
+    "geo_veto": dict(rollout_rs="geometric", rollout_rs_threshold=1.03, rollout_token_veto_threshold=0.85),
+    "k3": dict(rollout_rs="k3", rollout_rs_threshold=0.003),
+    "bypass_geo": dict(bypass_mode=True, rollout_rs="geometric", rollout_rs_threshold=1.03),
+}
+
+
+def _correction_cases(cfg, policy, local, rewards, old):
+    from distflow.config import RolloutCorrectionConfig
+    from distflow.train.learner import importance_weight_scale
+
+    out = {}
+    adv = _advantages(cfg.algorithm, rewards, local, [torch.zeros(len(s.response_ids)) for s in local])
+    batch = update_batch(local, adv, old)
+    current = policy.logprobs(batch.tokens).detach()
+    for name, kw in CORRECTIONS.items():
+        for rows in ("off", "on"):
+            cfg.algorithm.kl_coef, cfg.algorithm.entropy_coef, cfg.algorithm.dual_clip_c = 0.0, 0.0, None
+            cfg.algorithm.policy_loss, cfg.algorithm.loss_agg_mode = "ppo_clip", "token-mean"
+            cfg.algorithm.rollout_correction = rc = RolloutCorrectionConfig(**kw)
+            cfg.optim.shared_prefix = rows
+            b = batch.with_(is_weight_scale=importance_weight_scale(rc, batch.old_logprobs, batch)
+                            if rc.rollout_is_batch_normalize else 1.0)
+            sums = Updater(cfg, 0).backward_policy(policy, b, list(range(len(b))))
+            grads = full_grads(policy.model)
+            policy.optimizer.zero_grad(set_to_none=True)
+            inputs = [[t[i, : len(s.response_ids)].tolist() for i, s in enumerate(local)]
+                      for t in (current, b.old_logprobs, b.sampling_logprobs, b.advantages)]
+            out[("rc", name, rows)] = (gathered(inputs), float(all_reduce(sums.loss)), grads,
+                                       gathered(sums.correction.values))
+    return out
+
+
+def _reference_loss(kw, rows) -> tuple[float, int]:
+    """The token-mean PPO-clip loss with the correction `kw`, written out one token at a time from
+    docs/algorithms.md; and how many sequences a rejection zeroed. `rows`: every rank's (current,
+    old, engine, advantage) per sample."""
+    c = {"rollout_is": None, "rollout_is_threshold": 2.0, "rollout_rs": None, "rollout_rs_threshold": None,
+         "rollout_rs_threshold_lower": None, "rollout_token_veto_threshold": None, "bypass_mode": False,
+         "rollout_is_batch_normalize": False, **kw}
+    seqs = [seq for rank in rows for seq in zip(*rank)]
+    weights, terms, zeroed = [], [], 0
+    for cur, old, eng, adv in seqs:
+        prox = cur if c["bypass_mode"] else old
+        anchor = eng if c["bypass_mode"] else old
+        raw = [p - e for p, e in zip(prox, eng)]
+        lr = [min(max(x, -20.0), 20.0) for x in raw]
+        rho = [math.exp(x) for x in lr]
+        seq = math.exp(min(max(sum(lr), -20.0), 20.0))
+        cap = c["rollout_is_threshold"]
+        w = [min(r, cap) for r in rho] if c["rollout_is"] == "token" else \
+            [min(seq, cap)] * len(rho) if c["rollout_is"] == "sequence" else [1.0] * len(rho)
+        upper = c["rollout_rs_threshold"] or cap
+        lower = c["rollout_rs_threshold_lower"] if c["rollout_rs_threshold_lower"] is not None else 1 / upper
+        keep, keep_seq = [True] * len(rho), True
+        if c["rollout_rs"] == "token":
+            keep = [lower <= r <= upper for r in rho]
+        elif c["rollout_rs"] == "sequence":
+            keep_seq = lower <= seq <= upper
+        elif c["rollout_rs"] == "geometric":
+            keep_seq = lower <= math.exp(sum(lr) / max(len(lr), 1)) <= upper
+        elif c["rollout_rs"] == "k3":
+            keep_seq = sum(r - x - 1 for r, x in zip(rho, lr)) / max(len(lr), 1) <= upper
+        if c["rollout_token_veto_threshold"] and any(math.exp(x) < c["rollout_token_veto_threshold"] for x in raw):
+            keep_seq = False
+        zeroed += bool(rho) and not keep_seq
+        weights.append(w)
+        for t, (p, a0, k) in enumerate(zip(cur, anchor, keep)):
+            r = math.exp(min(max(p - a0, -20.0), 20.0))
+            term = max(-adv[t] * r, -adv[t] * min(max(r, 0.8), 1.2))
+            terms.append((len(weights) - 1, t, term * (k and keep_seq)))
+    scale = 1.0
+    if c["rollout_is_batch_normalize"]:
+        flat = [x for w in weights for x in w] if c["rollout_is"] == "token" else [w[0] for w in weights if w]
+        scale = len(flat) / sum(flat)
+    return sum(weights[i][t] * scale * term for i, t, term in terms) / len(terms), zeroed
 
 
 def test_every_algorithm_and_mode_is_sharding_invariant(tiny_model_dir):
     one, two = (run_distributed(_worker, world, tiny_model_dir) for world in (1, 2))
-    assert len(one) == len(ALGORITHMS) * len(LOSS_AGG_MODES) and one.keys() == two.keys()
+    assert one.keys() == two.keys()
+    for key in [k for k in one if k[0] == "rc"]:  # the rollout corrections, padded and packed rows
+        (rows1, l1, g1, v1), (rows2, l2, g2, v2) = one.pop(key), two.pop(key)
+        expect, zeroed = _reference_loss(CORRECTIONS[key[1]], rows1)
+        assert abs(l1 - expect) <= 1e-6 * abs(expect) and abs(l2 - expect) <= 1e-6 * abs(expect), (key, l1, l2, expect)
+        assert_grads_close(g1, g2, 1e-5, key)
+        seqs_masked = sum(v[HEAD.index("seqs_masked")] for v in v2)  # summed over the 2 ranks
+        assert seqs_masked == v1[0][HEAD.index("seqs_masked")] == zeroed, (key, seqs_masked, zeroed)
+        if "rs" in str(CORRECTIONS[key[1]]) or "veto" in str(CORRECTIONS[key[1]]):
+            masked = sum(v[HEAD.index("tokens_masked")] for v in v2)
+            assert 0 < masked < sum(v[HEAD.index("tokens")] for v in v2), key  # the band cut some, not all
+    assert len(one) == len(ALGORITHMS) * len(LOSS_AGG_MODES)
     for key in one:
         (a1, l1, g1, f1), (a2, l2, g2, f2) = one[key], two[key]
         dual, capped = f1

@@ -74,7 +74,7 @@ def cases(tmp: Path) -> list[tuple[str, str, list[str], dict]]:
     balance = ["run.steps=2", "run.sync_probe_every=5", "task=jsonl", f"task.path={skewed}", "data.shuffle=false",
                "rollout.max_prompt_tokens=256"]
     stale = ["run.steps=1", "optim.lr=1e-2", "optim.warmup_steps=0"]  # one step moves every weight ~1e-2
-    exact = ["algorithm.tis_cap=2.0", "checkpoint.export_at_end=true"]
+    exact = ["rollout_correction=token_tis", "checkpoint.export_at_end=true"]
     # eta = 1, three groups in the engine at once: the boundary carries held and unstarted groups
     carry = ["pipeline=carryover", "pipeline.max_concurrency=12", "checkpoint.every=3"]
     # 2-turn episodes, every one a calculator round trip (tests/support/envs_for_tests.py)
@@ -255,17 +255,20 @@ def test_packed_rows_take_the_step_padded_rows_take(runs):
 
 def test_kl_entropy_tis_and_dual_clip_metrics(runs):
     rows = _trained(runs, "kl_tis", steps=2)
-    for key in ["loss/kl", "loss/entropy", "tis/mean_weight", "clip/fraction_dual"]:
+    for key in ["loss/kl", "loss/entropy", "rollout_corr/weight_mean", "clip/fraction_dual"]:
         assert key in rows[-1], key
     assert rows[-1]["loss/entropy"] > 0
     assert rows[0]["loss/kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first update
     assert rows[-1]["loss/kl"] > 0
     for r in rows:
-        weight, dual = r["tis/mean_weight"], r["clip/fraction_dual"]
+        weight, dual = r["rollout_corr/weight_mean"], r["clip/fraction_dual"]
         # The engine samples with the policy's own weights (the probe checks them to 1e-5), so every
         # token's pi_old / pi_engine is ~1, above the cap: the cap fires on every trained token (a token
-        # whose engine logprob were misaligned with the trainer's would pull the mean below it).
+        # whose engine logprob were misaligned with the trainer's would pull the mean below it). The
+        # run sets the cap with the old key algorithm.tis_cap, which still means token-level TIS.
         assert weight == pytest.approx(TIS_CAP, abs=1e-5), r
+        assert r["rollout_corr/tokens_clipped_frac"] == 1.0 and r["rollout_corr/tokens_masked_frac"] == 0.0, r
+        assert r["rollout_corr/rho_mean"] == pytest.approx(1.0, abs=1e-5), r
         # one on-policy update per step: the ratio is exactly 1, inside the clip range and below the
         # dual-clip bound c = 3 > 1, so no token may be flagged by any clip
         assert dual == 0.0 and r["clip/fraction_low"] == 0.0 and r["clip/fraction_high"] == 0.0, r

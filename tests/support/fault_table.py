@@ -397,10 +397,12 @@ FAULTS: list[Fault] = [
           "nothing was started", "Set `task.env` (e.g. `tools`) or leave max_turns at 1.",
           _config({"rollout": {"max_turns": 3}})),
     Fault("config-staleness-uncorrected", "config", "carry-over with older tokens and no correction: "
-          "`pipeline=carryover algorithm.tis_cap=null`",
-          (E + "pipeline.max_staleness=1 trains tokens of older policies and needs a correction for them: set "
-               "algorithm.tis_cap (e.g. 2.0)",),
-          "nothing was started", "Set `algorithm.tis_cap`, or `pipeline.max_staleness=0`.",
+          "`pipeline=carryover rollout_correction=metrics`",
+          (E + "pipeline.max_staleness=1 trains tokens of older policies and needs a correction for them: choose "
+               "one with rollout_correction=token_tis (or another preset), or set algorithm.rollout_correction."
+               "rollout_is",),
+          "nothing was started", "Pick a correction preset (`rollout_correction=token_tis`), or "
+          "`pipeline.max_staleness=0`.",
           _config({"pipeline": {"mode": "carryover", "max_staleness": 1}})),
     Fault("config-staleness-sync", "config", "`pipeline.max_staleness=2` with `pipeline.mode=sync`",
           (E + "pipeline.max_staleness=2 needs pipeline.mode=carryover (sync trains every group at the step that "

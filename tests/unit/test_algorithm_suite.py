@@ -30,7 +30,6 @@ from distflow.algorithms import (
     local_sum,
     overlong_penalty,
     sequence_kl,
-    tis_weights,
 )
 from distflow.config import AlgorithmConfig, ConfigError, DistflowConfig, TaskConfig
 
@@ -39,10 +38,12 @@ EPS = 1e-6
 
 
 def cfg_with(**kw) -> AlgorithmConfig:
+    """An algorithm section with these keys set (rollout_correction's as rc_<key>)."""
     cfg = AlgorithmConfig()
     for k, v in kw.items():
-        assert hasattr(cfg, k), k
-        setattr(cfg, k, v)
+        target, k = (cfg.rollout_correction, k[3:]) if k.startswith("rc_") else (cfg, k)
+        assert hasattr(target, k), k
+        setattr(target, k, v)
     return cfg
 
 
@@ -356,17 +357,6 @@ def test_on_policy_gradient_is_minus_advantage(name):
 
 # ----------------------------------------------------------------------------- TIS, KL, entropy
 
-def test_tis_weights():
-    old = torch.tensor([[-1.0, -2.0, -0.5, 0.0]], requires_grad=True)
-    eng = torch.tensor([[-1.5, -1.0, -3.0, 0.0]])
-    mask = torch.tensor([[1, 1, 1, 0]])
-    w = tis_weights(old, eng, 2.0, mask)
-    ref = [min(math.exp(o - e), 2.0) for o, e in zip(old[0].tolist(), eng[0].tolist())][:3] + [1.0]
-    np.testing.assert_allclose(w.numpy(), [ref], rtol=1e-6)
-    assert not w.requires_grad
-    assert tis_weights(torch.zeros(1, 2), torch.full((1, 2), -100.0), 5.0).tolist() == [[5.0, 5.0]]
-
-
 def ref_kl(lp, ref, kind):
     d = lp - ref
     if kind == "k1":
@@ -430,20 +420,22 @@ def test_compute_token_loss_composes_terms():
     eng = old + 0.3 * torch.randn(old.shape, generator=g, dtype=torch.float64)
     ref = old + 0.2 * torch.randn(old.shape, generator=g, dtype=torch.float64)
     ent = torch.rand(old.shape, generator=g, dtype=torch.float64)
-    cfg = cfg_with(tis_cap=1.5, kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01)
+    cfg = cfg_with(rc_rollout_is="token", rc_rollout_is_threshold=1.5, kl_coef=0.1, kl_estimator="k3",
+                   entropy_coef=0.01)
     loss, info = compute_token_loss(lp, old, adv, mask, cfg, engine_logp=eng, ref_logp=ref, entropy=ent)
     pg, _ = POLICY_LOSSES["ppo_clip"](lp, old, adv, mask, cfg)
     m = mask.bool()
     kl = torch.where(m, kl_penalty(lp, ref, "k3"), 0)
-    expect = pg * tis_weights(old, eng, 1.5, mask) + 0.1 * kl - 0.01 * ent * mask
+    tis = torch.where(m, torch.exp(old - eng).clamp(max=1.5), 1.0)  # truncated IS, written out
+    expect = pg * tis + 0.1 * kl - 0.01 * ent * mask
     assert torch.allclose(loss, expect) and not loss[~m].any()
-    assert {"tis_weight", "kl", "entropy"} <= set(info)
+    assert {"correction", "kl", "entropy"} <= set(info)
     loss.sum().backward()
     assert torch.isfinite(lp.grad).all()
     # kl_in_reward: no KL term in the loss; and missing inputs are reported
     plain, _ = compute_token_loss(lp.detach(), old, adv, mask, cfg_with(kl_coef=0.1, kl_in_reward=True))
     assert torch.equal(plain, POLICY_LOSSES["ppo_clip"](lp.detach(), old, adv, mask, cfg_with())[0])
-    for kw in ({"tis_cap": 2.0}, {"kl_coef": 0.1}, {"entropy_coef": 0.01}):
+    for kw in ({"rc_rollout_is": "token"}, {"rc_bypass_mode": True}, {"kl_coef": 0.1}, {"entropy_coef": 0.01}):
         with pytest.raises(ValueError):
             compute_token_loss(lp.detach(), old, adv, mask, cfg_with(**kw))
 
@@ -500,7 +492,13 @@ def test_default_config_is_valid():
     ({"kl_coef": -0.01}, "kl_coef must be >= 0"),
     ({"dual_clip_c": 1.0}, "dual_clip_c must be > 1"),
     ({"dual_clip_c": 0.5}, "dual_clip_c"),
-    ({"tis_cap": 0.0}, "tis_cap must be > 0"),
+    ({"rc_rollout_is_threshold": 0.0}, "rollout_is_threshold must be > 0"),
+    ({"rc_rollout_is": "token", "rc_bypass_mode": True}, "already is the importance weight"),
+    ({"rc_rollout_is_batch_normalize": True}, "rollout_is_batch_normalize needs rollout_is"),
+    ({"rc_rollout_token_veto_threshold": 1.5}, "veto_threshold must be in"),
+    ({"rc_rollout_rs": "token", "rc_rollout_rs_threshold": 0.5}, "0 <= lower < upper"),
+    ({"rc_rollout_rs": "geometric", "rc_rollout_rs_threshold": 1.001, "rc_rollout_rs_threshold_lower": -1.0},
+     "rejection band"),
     ({"max_sampling_rounds": 0}, "max_sampling_rounds must be >= 1"),
     ({"overlong_buffer_len": -1}, "overlong_buffer_len"),
     ({"overlong_penalty": -1.0}, "overlong_penalty"),

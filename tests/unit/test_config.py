@@ -79,7 +79,7 @@ def test_wrong_type_is_rejected():
 def test_every_choice_is_checked():
     """Every Literal field refuses a value outside its choices (the generic check sees them all)."""
     fields = [(key, choices_of(ann)) for key, _, ann in leaf_keys(DistflowConfig) if choices_of(ann)]
-    assert len(fields) == 16, fields  # model: dtype, grad sync, lora resync; optim: shared prefix; rollout: engine, eager; algorithm: 4; pipeline: mode; task; run: 2; logging: 2
+    assert len(fields) == 18, fields  # model: dtype, grad sync, lora resync; optim: shared prefix; rollout: engine, eager; algorithm: 4 + rollout_correction: 2; pipeline: mode; task; run: 2; logging: 2
     for key, _ in fields:
         cfg = valid()
         *path, leaf = key.split(".")
@@ -124,7 +124,7 @@ PREVIOUS_OPERATIONAL = {  # the list resume kept by hand before the schema carri
 
 def test_every_old_key_has_a_new_one_that_exists():
     keys = {key for key, _, _ in leaf_keys(DistflowConfig)}
-    assert {f"trainer.{k}" for k in PREVIOUS_TRAINER_KEYS} | {"critic.enabled"} == set(ALIASES)
+    assert {f"trainer.{k}" for k in PREVIOUS_TRAINER_KEYS} | {"critic.enabled", "algorithm.tis_cap"} == set(ALIASES)
     assert all(new in keys for new in ALIASES.values() if new is not None)
 
 
@@ -176,8 +176,9 @@ def test_the_record_builds_the_config_back_and_hydra_sees_every_key():
     assert DistflowConfig.from_dict(config_record(cfg)) == cfg
     tree = OmegaConf.to_container(OmegaConf.structured(hydra_schema(DistflowConfig)))
     flat = {f"{s}.{k}" for s, keys in tree.items() for k in keys}
-    assert flat == {key.rsplit(".", 1)[0] if key.startswith("model.lora.") else key
-                    for key, _, _ in leaf_keys(DistflowConfig)} | {"model.lora"}
+    nested = ("model.lora.", "algorithm.rollout_correction.")  # sections inside sections: one entry each
+    assert flat == {key.rsplit(".", 1)[0] if key.startswith(nested) else key
+                    for key, _, _ in leaf_keys(DistflowConfig)} | {"model.lora", "algorithm.rollout_correction"}
 
 
 def test_unknown_keys_name_the_key():

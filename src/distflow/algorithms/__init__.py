@@ -1,4 +1,4 @@
-"""Advantage estimators, policy losses, KL estimators and loss aggregation: small pure functions of tensors.
+"""Advantage estimators, policy losses, KL estimators, the rollout correction and loss aggregation: small pure functions of tensors.
 
 An algorithm is a config choosing among these by name (registry.py); the trainer never branches
 on its name.
@@ -31,7 +31,6 @@ from distflow.algorithms.losses import (
     cispo_loss,
     gspo_loss,
     ppo_clip_loss,
-    tis_weights,
     value_loss,
 )
 from distflow.algorithms.registry import (
@@ -74,7 +73,6 @@ __all__ = [
     "reinforce_pp_baseline_advantages",
     "rloo_advantages",
     "sequence_kl",
-    "tis_weights",
     "token_kl",
     "value_loss",
     "whiten_global",

@@ -16,7 +16,6 @@ masks "clip_low", "clip_high", "dual_clip" (already ANDed with mask: sum them fo
 
 from __future__ import annotations
 
-import math
 import typing
 from typing import Optional
 
@@ -126,18 +125,6 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         loss, hit = err, torch.zeros_like(m)
     loss = torch.where(m, 0.5 * loss, torch.zeros_like(loss))
     return loss, {"clipped": hit.detach(), "error": torch.where(m, values - returns, 0.0).detach()}
-
-
-@torch.no_grad()
-def tis_weights(old_logp: torch.Tensor, engine_logp: torch.Tensor, cap: float,
-                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Truncated IS (Yao et al. 2025, "off-policy RL from the inference engine"): sg(min(pi_old/pi_engine, cap)).
-
-    Corrects the trainer/engine numerical mismatch; multiply the policy token loss by it. 1 on padding.
-    """
-    diff = (old_logp - engine_logp).clamp(-MAX_LOG_RATIO, math.log(cap))
-    w = torch.exp(diff)
-    return w if mask is None else torch.where(mask.bool(), w, torch.ones_like(w))
 
 
 def aggregate_numerator(token_loss: torch.Tensor, mask: torch.Tensor, mode: str, max_tokens: int) -> torch.Tensor:

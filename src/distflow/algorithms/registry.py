@@ -6,7 +6,7 @@ are the choices distflow.config.algorithm declares (a unit test holds the two to
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -20,7 +20,8 @@ from distflow.algorithms.advantages import (
     sequence_estimator,
 )
 from distflow.algorithms.kl import KL_ESTIMATORS, kl_penalty
-from distflow.algorithms.losses import cispo_loss, gspo_loss, ppo_clip_loss, tis_weights
+from distflow.algorithms.losses import cispo_loss, gspo_loss, ppo_clip_loss
+from distflow.algorithms.rollout_correction import rollout_correction
 from distflow.config import CRITIC_ESTIMATORS, AlgorithmConfig
 
 # fn(rewards [num_groups, G], cfg, global_sum) -> advantages [num_groups, G]: one per sequence.
@@ -50,22 +51,31 @@ def compute_token_loss(
     engine_logp: Optional[torch.Tensor] = None,
     ref_logp: Optional[torch.Tensor] = None,
     entropy: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    weight_scale: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, Any]]:
     """The full per-token loss for one micro-batch, [B, T], ready for aggregate_numerator.
 
-    policy_loss * tis_weights(old, engine)   (if tis_cap)
-      + kl_coef * kl_penalty(logp, ref)      (if kl_coef > 0 and not kl_in_reward)
-      - entropy_coef * entropy               (if entropy_coef != 0; entropy [B,T] WITH gradient)
-    Raises ValueError when an input the config asks for is missing. info adds "kl", "entropy",
-    "tis_weight" ([B,T], detached) when those terms are active.
+    policy_loss(logp, old) * correction.weight   (old := engine_logp in bypass mode)
+      + kl_coef * kl_penalty(logp, ref)          (if kl_coef > 0 and not kl_in_reward)
+      - entropy_coef * entropy                   (if entropy_coef != 0; entropy [B,T] WITH gradient)
+    The rollout correction (distflow.algorithms.rollout_correction) runs whenever engine_logp is
+    given, its weight being exactly 1 when it is off; info["correction"] is its Correction.
+    `weight_scale` is the batch normalisation of its importance weights. Raises ValueError when an
+    input the config asks for is missing. info adds "kl", "entropy" ([B,T], detached) when those
+    terms are active.
     """
+    rc = cfg.rollout_correction
+    if engine_logp is None and rc.active:
+        raise ValueError("algorithm.rollout_correction is on but no engine (sampling) logprobs were given")
+    correction = None
+    if engine_logp is not None:
+        proximal = logp.detach() if rc.bypass_mode else old_logp
+        old_logp = engine_logp.to(old_logp.dtype) if rc.bypass_mode else old_logp
+        correction = rollout_correction(proximal, engine_logp, mask, rc, weight_scale)
     loss, info = POLICY_LOSSES[cfg.policy_loss](logp, old_logp, advantages, mask, cfg)
     m = mask.bool()
-    if cfg.tis_cap is not None:
-        if engine_logp is None:
-            raise ValueError("algorithm.tis_cap is set but no engine (sampling) logprobs were given")
-        w = tis_weights(old_logp, engine_logp, cfg.tis_cap, mask)
-        loss, info["tis_weight"] = loss * w, w
+    if correction is not None:
+        loss, info["correction"] = loss * correction.weight, correction
     if cfg.kl_coef > 0 and not cfg.kl_in_reward:
         if ref_logp is None:
             raise ValueError("algorithm.kl_coef > 0 needs reference-policy logprobs")

@@ -19,6 +19,7 @@ from distflow.config.model import BUILTIN_MODELS, MAX_ENGINE_LORA_RANK, LoraConf
 from distflow.config.optim import OptimConfig
 from distflow.config.pipeline import PipelineConfig
 from distflow.config.rollout import RolloutConfig
+from distflow.config.rollout_correction import RolloutCorrectionConfig
 from distflow.config.run import RunConfig
 from distflow.config.schema import OPERATIONAL, DistflowConfig, config_differences, config_record
 from distflow.config.task import TaskConfig
@@ -27,6 +28,6 @@ from distflow.config.validation import ValidationConfig
 __all__ = [
     "BUILTIN_MODELS", "CRITIC_ESTIMATORS", "MAX_ENGINE_LORA_RANK", "OPERATIONAL", "AlgorithmConfig", "CheckpointConfig",
     "ConfigError", "CriticConfig", "DataConfig", "DistflowConfig", "LoggingConfig", "LoraConfig", "ModelConfig",
-    "OptimConfig", "PipelineConfig", "RolloutConfig", "RunConfig", "TaskConfig", "ValidationConfig", "config_differences",
+    "OptimConfig", "PipelineConfig", "RolloutConfig", "RolloutCorrectionConfig", "RunConfig", "TaskConfig", "ValidationConfig", "config_differences",
     "config_record", "hydra_schema", "rename_overrides",
 ]

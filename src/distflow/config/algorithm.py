@@ -1,11 +1,12 @@
-"""The algorithm section: the estimator, the policy loss, KL, and DAPO's and PPO's knobs. The
-names here are the keys of distflow.algorithms.registry's function tables."""
+"""The algorithm section: the estimator, the policy loss, KL, the rollout correction, and DAPO's
+and PPO's knobs. The names here are the keys of distflow.algorithms.registry's function tables."""
 
 from __future__ import annotations
 
 from typing import Literal, Optional
 
 from distflow.config.fields import knob, section
+from distflow.config.rollout_correction import RolloutCorrectionConfig
 
 Advantage = Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"]
 PolicyLoss = Literal["ppo_clip", "gspo", "cispo"]
@@ -46,8 +47,7 @@ class AlgorithmConfig:
     kl_in_reward: bool = knob(False, "Subtract kl_coef * KL from the rewards, per token, instead of adding it to the "
                               "loss.")
     entropy_coef: float = knob(0.0, "Entropy bonus weight.")
-    tis_cap: Optional[float] = knob(None, "Truncated importance sampling against the engine's own sampling "
-                                    "logprobs, capped at this weight (null: off).")
+    rollout_correction: RolloutCorrectionConfig = knob(factory=RolloutCorrectionConfig)
     dynamic_sampling: bool = knob(False, "DAPO's dynamic sampling: drop groups whose rewards are all equal and "
                                   "resample, up to max_sampling_rounds.")
     max_sampling_rounds: int = knob(3, "Generation rounds per step with dynamic sampling.")
@@ -74,7 +74,6 @@ class AlgorithmConfig:
             (self.kl_coef >= 0, f"algorithm.kl_coef must be >= 0, got {self.kl_coef}"),
             (self.dual_clip_c is None or self.dual_clip_c > 1,
              f"algorithm.dual_clip_c must be > 1 (or null), got {self.dual_clip_c}"),
-            (self.tis_cap is None or self.tis_cap > 0, f"algorithm.tis_cap must be > 0 (or null), got {self.tis_cap}"),
             (self.max_sampling_rounds >= 1,
              f"algorithm.max_sampling_rounds must be >= 1, got {self.max_sampling_rounds}"),
             (self.overlong_buffer_len >= 0,
@@ -84,4 +83,5 @@ class AlgorithmConfig:
             (self.ppo_epochs >= 1, f"algorithm.ppo_epochs must be >= 1, got {self.ppo_epochs}"),
             (0 <= self.gamma <= 1 and 0 <= self.lam <= 1,
              f"algorithm.gamma and lam must be in [0, 1], got {self.gamma}, {self.lam}"),
+            *self.rollout_correction.checks(),
         ]

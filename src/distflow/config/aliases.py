@@ -2,7 +2,8 @@
 
 `rename_overrides` rewrites command-line overrides (`key=value`, `+key=value`, `++key=value`,
 `~key`) from an old key to its new one and says so once per key, naming the new key. A key that
-is gone maps to None: its override is dropped with a line that says why.
+is gone maps to None: its override is dropped with a line that says why. A key in SPLIT sets a
+second key beside its new one (algorithm.tis_cap=2 is token-level IS capped at 2).
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ ALIASES: dict[str, str | None] = {
     "trainer.plot_at_end": "logging.plot_at_end",
     "trainer.straggler_warn_steps": "logging.straggler_warn_steps",
     "critic.enabled": None,
+    "algorithm.tis_cap": "algorithm.rollout_correction.rollout_is_threshold",
+}
+# Old keys whose value now takes a second key too: (what a number also sets, what null sets instead)
+SPLIT: dict[str, tuple[str, str]] = {
+    "algorithm.tis_cap": ("algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is=null"),
 }
 REMOVED = {"critic.enabled": "the critic follows from algorithm.advantage (gae trains one)"}
 
@@ -51,7 +57,15 @@ def rename_overrides(args: list[str]) -> tuple[list[str], list[str]]:
         if key not in seen:
             seen.add(key)
             notes.append(f"{key} is deprecated and ignored: {REMOVED[key]}" if new is None
+                         else f"{key} is deprecated: use {SPLIT[key][0]} {new}=<value>" if key in SPLIT
                          else f"{key} is deprecated: use {new}")
+        prefix, rest = m.group("prefix") or "", m.group("rest")
+        if key in SPLIT:
+            on, off = SPLIT[key]
+            if rest[1:].strip().lower() in ("", "null", "none"):
+                out.append(prefix + off)
+                continue
+            out.append(prefix + on)
         if new is not None:
-            out.append(f"{m.group('prefix') or ''}{new}{m.group('rest')}")
+            out.append(f"{prefix}{new}{rest}")
     return out, notes

@@ -20,7 +20,7 @@ class PipelineConfig:
                                               "the tail is cut, carried and continued next step.")
     max_staleness: int = knob(0, "eta: a group admitted at step a trains by step a + eta; every trained token comes "
                                  "from version >= step - 1 - eta. 0 is the synchronous schedule; > 0 needs a "
-                                 "correction for the older tokens (algorithm.tis_cap).")
+                                 "correction for the older tokens (algorithm.rollout_correction).")
     max_concurrency: Optional[int] = knob(None, "Samples running in the engine at once (carryover; a group's "
                                                 "samples count alike); null: every admitted group at once.")
 

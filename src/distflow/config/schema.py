@@ -89,9 +89,10 @@ def _across_sections(cfg: DistflowConfig) -> list[tuple[bool, str]]:
          "model.lora.resync=adapter needs rollout.engine=vllm (vLLM's LoRA support); use resync=merged"),
         (not lora.enabled or lora.resync != "adapter" or r.tensor_parallel_size == 1,
          "model.lora.resync=adapter with rollout.tensor_parallel_size > 1 is not supported; use resync=merged"),
-        (cfg.pipeline.max_staleness == 0 or a.tis_cap is not None,
+        (cfg.pipeline.max_staleness == 0 or a.rollout_correction.weights_or_masks or a.rollout_correction.bypass_mode,
          f"pipeline.max_staleness={cfg.pipeline.max_staleness} trains tokens of older policies and needs a correction "
-         "for them: set algorithm.tis_cap (e.g. 2.0)"),
+         "for them: choose one with rollout_correction=token_tis (or another preset), or set "
+         "algorithm.rollout_correction.rollout_is"),
         (cfg.pipeline.max_concurrency is None or cfg.pipeline.max_concurrency >= a.group_size,
          f"pipeline.max_concurrency={cfg.pipeline.max_concurrency} is below algorithm.group_size={a.group_size}: "
          "a group's samples run together"),

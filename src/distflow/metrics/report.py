@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from distflow.algorithms.correction_metrics import RHO_MAX, correction_metrics
 from distflow.algorithms.mismatch import EDGES, percentile
 from distflow.config import DistflowConfig
 from distflow.distributed import rank_and_world
@@ -58,9 +59,10 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
         "kept_groups": float(groups),
         "generated_groups": float(stats.generated_groups),
         **{f"reward/{k}": v for k, v in stats.reward_failures.items()},
-        **{f"upd/{f.name}": getattr(s, f.name) for f in fields(s) if f.name != "mismatch"},
+        **{f"upd/{f.name}": getattr(s, f.name) for f in fields(s) if f.name not in ("mismatch", "correction")},
         "mismatch/abs_sum": s.mismatch.abs_sum, "mismatch/kl_sum": s.mismatch.kl_sum,
         "mismatch/tokens": s.mismatch.tokens, **{f"mismatch/hist{k}": c for k, c in enumerate(s.mismatch.hist)},
+        **{f"rollout_corr/v{k}": v for k, v in enumerate(s.correction.values) if k != RHO_MAX},
     }
     if cfg.task.env:
         sums.update(episode_sums(samples))
@@ -73,6 +75,7 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
     maxima.update({"timing/slowest_rank": slowest_rank_code(timing["compute"]),
                    "response_length/max": float(max(resp_lens)), "sync/max_abs_logprob_diff": probe,
                    "dynamic_sampling/rounds": float(stats.rounds), "mismatch/abs_max": s.mismatch.abs_max,
+                   f"rollout_corr/v{RHO_MAX}": s.correction.values[RHO_MAX],
                    **gpu_memory()})
     if carryover:
         maxima.update({"staleness/max": float(max(ages, default=0)),
@@ -104,6 +107,7 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
         # padding, packed rows (optim.shared_prefix) each group's prompt once
         "update/forward_tokens": g["upd/forward_tokens"],
         **mismatch_metrics(g),
+        **correction_metrics([g[f"rollout_corr/v{k}"] for k in range(len(s.correction.values))]),
     }
     if a.dual_clip_c is not None:
         out["clip/fraction_dual"] = g["upd/dual_clip"] / trained
@@ -111,8 +115,6 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
         out["loss/kl"] = g["upd/kl"] / trained
     if a.entropy_coef != 0:
         out["loss/entropy"] = g["upd/entropy"] / trained
-    if a.tis_cap is not None:
-        out["tis/mean_weight"] = g["upd/tis_weight"] / trained
     if g["upd/moe_passes"] > 0:  # a mixture-of-experts policy (distflow.train.router)
         out["moe/aux_loss"] = g["upd/moe_aux"] / g["upd/moe_passes"]
         out["moe/load_max_over_mean"] = g["upd/moe_load"] / g["upd/moe_passes"]

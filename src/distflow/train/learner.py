@@ -16,7 +16,8 @@ from typing import Callable, ContextManager, Iterator
 import torch
 
 from distflow.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs
-from distflow.config import DistflowConfig
+from distflow.algorithms.rollout_correction import importance_weight_sums
+from distflow.config import DistflowConfig, RolloutCorrectionConfig
 from distflow.distributed import all_reduce
 from distflow.distributed.layout import ParallelLayout
 from distflow.sample import Sample
@@ -38,6 +39,14 @@ class Logprobs:
     old: OldLogprobs
     ref: torch.Tensor | None
     values: torch.Tensor | None
+
+
+def importance_weight_scale(rc: RolloutCorrectionConfig, old: torch.Tensor, batch: UpdateBatch) -> float:
+    """1 / the mean truncated importance weight over every rank's batch (a collective: one
+    all_reduce), for the rollout correction's batch normalisation; `old` are the old logprobs."""
+    total, count = importance_weight_sums(old, batch.sampling_logprobs, batch.loss_mask, rc)
+    total, count = all_reduce(torch.stack([total, count])).tolist()
+    return count / total if total > 0 else 1.0
 
 
 class Learner:
@@ -72,8 +81,11 @@ class Learner:
 
     def logprobs(self, plan: StepPlan) -> Logprobs:
         a, o, u = self.cfg.algorithm, self.cfg.optim, self.updater
-        # With one optimizer step per rollout the policy that sampled is the one being trained.
-        needs_old = a.ppo_epochs > 1 or o.mini_batches > 1 or (a.kl_coef > 0 and a.kl_in_reward)
+        rc = a.rollout_correction
+        # With one optimizer step per rollout the policy that sampled is the one being trained; in
+        # bypass mode the engine's logprobs stand in for the old ones whatever the step count.
+        several = (a.ppo_epochs > 1 or o.mini_batches > 1) and not rc.bypass_mode
+        needs_old = several or (a.kl_coef > 0 and a.kl_in_reward) or rc.rollout_is_batch_normalize
         old = u.logprobs(self.policy, plan) if needs_old else CURRENT_POLICY
         ref = u.logprobs(self.reference, plan) if self.reference else None
         values = u.values(self.critic, plan) if self.critic else None
@@ -85,8 +97,10 @@ class Learner:
                                               self.cfg.rollout.response_budget(), old, lp.ref)
         inputs = AdvantageInputs(scores, token_rewards, batch.tokens.resp_mask, lp.values)  # all on the device
         advantages, returns = self.estimator(inputs, self.cfg.algorithm, lambda v: all_reduce(v).tolist())
+        rc = self.cfg.algorithm.rollout_correction
+        scale = importance_weight_scale(rc, lp.old, batch) if rc.rollout_is_batch_normalize else 1.0
         return batch.with_(advantages=advantages, old_logprobs=lp.old, ref_logprobs=lp.ref, values=lp.values,
-                           returns=returns)
+                           returns=returns, is_weight_scale=scale)
 
     def update(self, batch: UpdateBatch, plan: StepPlan, step: int) -> UpdateResult:
         """The optimizer steps over `plan`; none if no group is left anywhere, the critic's alone in its warm-up."""

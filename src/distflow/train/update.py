@@ -21,7 +21,10 @@ from typing import Callable
 import torch
 
 from distflow.algorithms import aggregate_denominator, aggregate_numerator, compute_token_loss, value_loss
-from distflow.algorithms.mismatch import MismatchSums, combine, mismatch_vector
+from distflow.algorithms.correction_metrics import CorrectionSums, correction_vector
+from distflow.algorithms.correction_metrics import combine as combine_correction
+from distflow.algorithms.mismatch import MismatchSums, mismatch_vector
+from distflow.algorithms.mismatch import combine as combine_mismatch
 from distflow.config import DistflowConfig
 from distflow.distributed import all_reduce
 from distflow.distributed.devices import concrete
@@ -44,7 +47,6 @@ class UpdateSums:
     dual_clip: float = 0.0
     kl: float = 0.0
     entropy: float = 0.0
-    tis_weight: float = 0.0
     value_loss: float = 0.0
     value_clipped: float = 0.0
     value_sq_error: float = 0.0
@@ -54,15 +56,22 @@ class UpdateSums:
     moe_load: float = 0.0
     moe_passes: float = 0.0
     mismatch: MismatchSums = field(default_factory=MismatchSums)  # engine vs policy, first epoch only
+    correction: CorrectionSums = field(default_factory=CorrectionSums)  # the rollout correction, first epoch only
 
     @classmethod
     def read(cls, sums: "DeviceSums") -> "UpdateSums":
         values = sums.read()
-        mismatch = values.pop("mismatch", None)
+        mismatch, correction = values.pop("mismatch", None), values.pop("correction", None)
         out = cls(**values)
         if mismatch is not None:
             out.mismatch = MismatchSums.from_values(mismatch)
+        if correction is not None:
+            out.correction = CorrectionSums(correction)
         return out
+
+    def first_epoch_only(self) -> None:
+        """Forget the measurements a later epoch repeats (every row was measured in the first)."""
+        self.mismatch, self.correction = MismatchSums(), CorrectionSums()
 
     def __iadd__(self, other: "UpdateSums") -> "UpdateSums":
         for f in fields(self):
@@ -73,30 +82,31 @@ class UpdateSums:
 class DeviceSums:
     """A loss pass's metric sums, kept on the device as float64 tensors (float32 sums widened, as
     Python's float() would) and read in one host sync per mini-batch, so the host is never
-    stopped mid-update to wait for the device's micro-batches."""
+    stopped mid-update to wait for the device's micro-batches. `vectors` are measurement vectors
+    (the engine mismatch, the rollout correction), each with its own way to combine."""
 
     def __init__(self) -> None:
         self.sums: dict[str, torch.Tensor] = {}
-        self.mismatch: torch.Tensor | None = None
+        self.vectors: dict[str, torch.Tensor] = {}
 
     def add(self, key: str, value: torch.Tensor) -> None:
         value = value.detach().double()
         self.sums[key] = self.sums[key] + value if key in self.sums else value
 
-    def add_mismatch(self, vector: torch.Tensor) -> None:
-        self.mismatch = vector if self.mismatch is None else combine(self.mismatch, vector)
+    def add_vector(self, key: str, vector: torch.Tensor,
+                   combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        self.vectors[key] = combine(self.vectors[key], vector) if key in self.vectors else vector
 
     def read(self) -> dict:
         keys = list(self.sums)
-        parts = [torch.stack([self.sums[k] for k in keys])] if keys else []
-        if self.mismatch is not None:
-            parts.append(self.mismatch)
+        parts = ([torch.stack([self.sums[k] for k in keys])] if keys else []) + list(self.vectors.values())
         if not parts:
             return {}
         values = torch.cat(parts).tolist()  # the one host sync
         out: dict = dict(zip(keys, values[:len(keys)]))
-        if self.mismatch is not None:
-            out["mismatch"] = values[len(keys):]
+        at = len(keys)
+        for key, vector in self.vectors.items():
+            out[key], at = values[at:at + len(vector)], at + len(vector)
         return out
 
 
@@ -272,7 +282,7 @@ class Updater:
                 mask, adv, old = torch.zeros_like(logp), torch.zeros_like(logp), logp.detach()
                 engine, ref = old, old
             token_loss, info = compute_token_loss(logp, old, adv, mask, a, engine_logp=engine, ref_logp=ref,
-                                                  entropy=entropy)
+                                                  entropy=entropy, weight_scale=batch.is_weight_scale)
             num = aggregate_numerator(token_loss, mask, a.loss_agg_mode, self.response_budget)
             loss = num * (world / denom if mb.real else 0.0)  # padding passes contribute nothing
             if policy.router is not None:  # the mean over this rank's passes; ranks are averaged as all gradients are
@@ -288,8 +298,10 @@ class Updater:
                 sums.add("tokens", m.sum())
                 sums.add("forward_tokens", torch.full((), float(mb.inputs.input_ids.numel()), device=logp.device))
                 measured = mask if batch.mismatch_mask is None else mb.cut(batch.mismatch_mask)
-                sums.add_mismatch(mismatch_vector(old, engine, measured))
-                for key in ("clip_low", "clip_high", "dual_clip", "kl", "entropy", "tis_weight"):
+                sums.add_vector("mismatch", mismatch_vector(old, engine, measured), combine_mismatch)
+                sums.add_vector("correction", correction_vector(info["correction"], mask, self.response_budget),
+                                combine_correction)
+                for key in ("clip_low", "clip_high", "dual_clip", "kl", "entropy"):
                     if key in info:
                         sums.add(key, info[key].float()[m].sum())
         return UpdateSums.read(sums)
@@ -340,7 +352,7 @@ class Updater:
                         continue
                     sums = backward(model, batch, rows[m], micro)
                     if epoch > 0:
-                        sums.mismatch = MismatchSums()  # every row was measured in the first epoch
+                        sums.first_epoch_only()
                     result.sums += sums
                     norm, taken = model.step(sums.loss if name == "policy" else sums.value_loss)
                     norms[name].append(norm)
