@@ -3,6 +3,7 @@ carry-over rollouts (the ranks step the engine in lockstep), validate and resume
 groups carried (the in-process checks of the group are distributed/test_tensor_parallel.py)."""
 
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -23,8 +24,8 @@ def test_smoke_run_and_resume_with_a_tensor_parallel_engine(tmp_path, _):
     heldout.write_text('{"prompt": "What is 2 + 3?", "answer": "5"}\n')  # one item: rank 1 asks for none
     base = ["experiment=smoke", "rollout.tensor_parallel_size=2", "task.reward=rewards_for_tests:digit_fraction",
             "pipeline=carryover", "run.steps=4", "checkpoint.every=2", "checkpoint.export_at_end=true", "validation.at_end=true",
-            "validation.pass_k=2", f"task.heldout_path={heldout}", "logging.progress_bar=false",
-            "logging.plot_at_end=false"]
+            "validation.pass_k=2", "validation.save_samples=true", f"task.heldout_path={heldout}",
+            "logging.progress_bar=false", "logging.plot_at_end=false"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     for out, extra in ((straight, []), (resumed, [f"checkpoint.resume={straight / 'checkpoints' / 'step_000002'}"])):
         proc = torchrun([*base, f"run.output_dir={out}", *extra], timeout=900)
@@ -34,6 +35,10 @@ def test_smoke_run_and_resume_with_a_tensor_parallel_engine(tmp_path, _):
     assert [r["step"] for r in a] == [1, 2, 3, 4] and [r["step"] for r in b][-2:] == [3, 4]
     assert all(0 <= r["sync/max_abs_logprob_diff"] <= 1e-5 for r in a + b), [r["sync/max_abs_logprob_diff"] for r in a + b]
     assert a[-1]["val/items"] == 1 and a[-1]["val/k"] == 2
+    # the greedy answers, each rank its own items: rank 1 has none
+    (row,) = [json.loads(line) for line in (straight / "validation" / "after.rank0.jsonl").read_text().splitlines()]
+    assert row["item"] == 0 and "2 + 3" in row["prompt"] and row["reward"] == a[-1]["val/pass@1"], row
+    assert (straight / "validation" / "after.rank1.jsonl").read_text() == ""
     assert a[1]["partial/carried_groups"] > 0 and all(r["staleness/max"] <= 1 for r in a), a
     assert [stable_metrics(r) for r in a[2:]] == [stable_metrics(r) for r in b[-2:]]
     wa, wb = (load_file(out / "hf_model" / "model.safetensors") for out in (straight, resumed))

@@ -8,7 +8,8 @@ def _calls(v: ValidationConfig, steps: int, resumed_at: int = 0) -> tuple[list[i
     ran: list[int] = []
     state = {"step": resumed_at}
 
-    def evaluate():
+    def evaluate(tag: str):
+        assert tag == ("before" if state["step"] == 0 else "after" if state["step"] == steps else f"step{state['step']}")
         ran.append(state["step"])
         return {"val/pass@1": float(state["step"])}
 

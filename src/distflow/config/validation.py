@@ -14,6 +14,10 @@ class ValidationConfig:
     before_train: bool = knob(False, "Validate once before the first step.")
     at_end: bool = knob(False, "Validate after the last step.")
     pass_k: int = knob(0, "Also sample k answers per item and report pass@k; 0: greedy pass@1 only.")
+    save_samples: bool = knob(
+        False, "Write each evaluation's greedy answers (item, prompt, response, reward) to run.output_dir/validation/"
+        "<before|stepN|after>.rank<R>.jsonl, each rank its own items (verl's validation_data_dir).",
+        operational=True)
 
     @property
     def wanted(self) -> bool:

@@ -32,6 +32,7 @@ from distflow.rollout.episodes import EpisodeRunner, SingleTurn
 from distflow.rollout.evaluation import evaluate
 from distflow.rollout.groups import Rollouts
 from distflow.rollout.scoring import score_groups
+from distflow.run.rundir import RunDir
 from distflow.tasks import ShardedSampler
 
 log = logging.getLogger("distflow")
@@ -112,11 +113,15 @@ class Rollout:
         rollouts.stats.add_failures(failures)
         return rewards
 
-    def evaluate(self) -> dict[str, float]:
-        """Held-out greedy pass@1 (and sampled pass@k), sharded over all ranks (a collective)."""
+    def evaluate(self, tag: str = "eval") -> dict[str, float]:
+        """Held-out greedy pass@1 (and sampled pass@k), sharded over all ranks (a collective); with
+        validation.save_samples, each rank's greedy answers go to validation/<tag>.rank<R>.jsonl."""
+        samples = None
+        if self.cfg.validation.save_samples:
+            samples = RunDir(self.cfg.run.output_dir).validation / f"{tag}.rank{self.dist.rank}.jsonl"
         with self.timer.phase("validate"):
             return evaluate(self.runner, self.task.workers, self.tokenizer, self.heldout, self.dist,
-                            self.cfg.validation.pass_k, seed=self.cfg.run.seed)
+                            self.cfg.validation.pass_k, seed=self.cfg.run.seed, samples_file=samples)
 
     # ----------------------------------------------------------------- the engine's weights
     @property

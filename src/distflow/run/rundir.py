@@ -69,6 +69,7 @@ class RunDir:
         self.marker, self.config, self.metrics = r / MARKER, r / "config.json", r / "metrics.jsonl"
         self.summary, self.plot, self.logs = r / "summary.json", r / "training.png", r / "logs"
         self.checkpoints, self.hf_model, self.adapter = r / "checkpoints", r / "hf_model", r / "adapter"
+        self.validation = r / "validation"  # validation.save_samples' transcripts
         self.wandb, self.wandb_run_id, self.tensorboard = r / "wandb", r / "wandb_run_id", r / "tb"
         self.previous, self.lockfile = r / "previous", r / LOCK
 
@@ -78,7 +79,7 @@ class RunDir:
     def artifacts(self) -> list[Path]:
         """The artifacts present now, the marker last (a set-aside cut short still marks the folder)."""
         fixed = [self.config, self.metrics, self.summary, self.plot, self.checkpoints, self.hf_model, self.adapter,
-                 self.wandb, self.wandb_run_id, self.tensorboard]
+                 self.validation, self.wandb, self.wandb_run_id, self.tensorboard]
         found = [p for p in fixed if p.exists()]
         found += sorted(self.logs.glob("rank_*.log")) if self.logs.is_dir() else []
         return found + ([self.marker] if self.marker.exists() else [])
