@@ -20,6 +20,7 @@ from transformers import AutoTokenizer
 from distflow.config import DistflowConfig
 from distflow.distributed import DistInfo, init_distributed
 from distflow.plan import RunPlan, resolve
+from distflow.rollout.precision import contract_lines
 from distflow.run.hostmem import limit_malloc_retention
 from distflow.run.output import note_expected_warnings, save_config, setup_output
 from distflow.run.preemption import StopSignal
@@ -67,6 +68,8 @@ def start_run(cfg: DistflowConfig, stop_signal: StopSignal) -> Run:
         log.warning(note)
     log.info(f"{dist.world_size} rank(s) on {dist.device.type} ({dist.backend}), {resolved.dtype_note}")
     plan = resolved.plan(dist)  # layout, model folder, its checks: before any weights load
+    for line in contract_lines(plan.cfg):
+        log.info(line)
     save_config(plan.cfg, run_dir.config, write=dist.is_main, auto=plan.auto)
     random.seed(r.seed)
     np.random.seed(r.seed)

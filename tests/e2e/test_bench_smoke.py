@@ -240,3 +240,13 @@ def test_carryover_smoke(tmp_path):
     for s in modes.values():
         assert _positive(s["generate_s"]) and _positive(s["step_s"]) and s["staleness_max"] <= s["eta"], s
     assert modes[0]["carried_tokens"] == 0 and modes[3]["carried_tokens"] > 0, out["summary"]
+
+
+def test_precision_smoke(tmp_path):
+    out = run_bench("precision", tmp_path)
+    rows = {(r["precision"], r["bypass"]): r for r in out["rows"]}
+    assert set(rows) == {("float32", False), ("bf16, fp32 heads", False), ("bf16, fp32 heads", True)}
+    assert rows[("float32", False)]["abs_max"] < 1e-5  # float32: engine and trainer agree to rounding
+    for r in rows.values():
+        assert 0 <= r["abs_mean"] <= r["abs_max"] and _positive(r["generate_s"]) and _positive(r["update_s"]), r
+    assert 0 <= rows[("bf16, fp32 heads", True)]["clip_step1"] <= 1

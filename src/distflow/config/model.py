@@ -92,6 +92,12 @@ class ModelConfig:
         "the batch is split over ranks and passes. A dense model with a value above 0 is refused.")
     lora: LoraConfig = knob(factory=LoraConfig)
 
+    @property
+    def head_float32(self) -> bool:
+        """The trainer computes logprobs through a float32 LM head (the chunked path with
+        logprob_head_float32), and the HF engine samples through one too: the precision contract."""
+        return self.logprob_head_float32 and self.logprob_chunk_tokens > 0
+
     def checks(self) -> list[tuple[bool, str]]:
         return [
             (self.router_aux_loss_coef is None or self.router_aux_loss_coef >= 0,

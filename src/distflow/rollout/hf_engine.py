@@ -20,6 +20,7 @@ from distflow.config import ModelConfig, RolloutConfig
 from distflow.distributed.devices import compute_dtype
 from distflow.rollout.base import Request, generate_by_steps
 from distflow.rollout.hf_decoder import RowBatch, warp
+from distflow.rollout.precision import Float32Head
 from distflow.sample import Sample
 
 
@@ -62,6 +63,9 @@ class HFEngine:
         self._running: dict[str, _Running] = {}
         self._rows: list[tuple[str, int]] = []  # (request id, sample index) of each batch row, in batch order
         self._batch = RowBatch(self.model, device, self.pad_id)
+        # The trainer's float32 head, matched here (distflow.rollout.precision): the same logits'
+        # precision on both sides, so bf16 leaves only the body's kernels between them
+        self.head32 = Float32Head(self.model) if model.head_float32 and dtype != torch.float32 else None
 
     def submit(self, request: Request) -> None:
         if request.request_id in self._queued or request.request_id in self._running:
@@ -165,6 +169,8 @@ class HFEngine:
         params = dict(self.model.named_parameters())
         for name, t in weights:
             params[name].copy_(t)
+        if self.head32 is not None:
+            self.head32.refresh()
         if version is not None:
             self.version = version
 
