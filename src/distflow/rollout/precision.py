@@ -4,9 +4,9 @@ nothing a setting could remove.
 
     weights and body   model.dtype on both sides (one key: an fp32 trainer against a bf16 engine
                        cannot be configured)
-    LM head            float32 on both sides when model.head_float32 (the default: the trainer's
-                       chunked path; the HF engine through Float32Head); vLLM's head runs in the
-                       model dtype, which start-up reports in one line (contract_lines)
+    LM head            float32 on both sides when model.head_float32 (the default): the trainer's
+                       chunked path, the HF engine through Float32Head, vLLM through its own
+                       hf_overrides head_dtype=float32; in the model dtype on both sides otherwise
     log-softmax        float32 on both sides, of the temperature-scaled logits: the trainer's
                        token_stats, vLLM's processed_logprobs, the HF engine's warp
 """
@@ -41,23 +41,18 @@ class Float32Head:
         return F.linear(hidden.float(), self.weight, self.bias)
 
 
-# Measured at step 1 of the demo (SmolLM2-135M, bf16, 2 CPU ranks; bench/precision.py,
-# docs/performance.md "The precision contract"): mean |log mu - log pi_old| per trained token
-# with vLLM's bf16 head against the trainer's float32 one, and the tokens PPO's clip cuts at step 1
-# when the engine's logprobs are the old policy's (bypass mode) in bf16.
-VLLM_BF16_HEAD_MISMATCH = "TBD"
+# Measured on the demo (SmolLM2-135M, bf16, 2 CPU ranks; bench/precision.py, docs/performance.md
+# "The precision contract"): the tokens PPO's clip cuts at step 1 when the engine's logprobs are
+# the old policy's (bypass mode).
 BYPASS_BF16_CLIPPED = "TBD"
 
 
 def contract_lines(cfg: DistflowConfig) -> list[str]:
-    """Start-up lines, one per place where engine and trainer cannot compute alike: vLLM's bf16
-    head against a float32 trainer head, and bypass mode clipping against a bf16 engine."""
+    """Start-up lines where engine and trainer do not compute alike and the run depends on it:
+    bypass mode clips the PPO ratio against a bf16 engine's logprobs."""
     lines, bf16 = [], compute_dtype(cfg.model.dtype) != torch.float32
-    if bf16 and cfg.rollout.engine == "vllm" and cfg.model.head_float32:
-        lines.append("precision: the vLLM engine computes its LM head in bf16, the trainer in float32 "
-                     f"(model.logprob_head_float32): their logprobs differ by about {VLLM_BF16_HEAD_MISMATCH} nats "
-                     "per token on the demo (docs/performance.md#the-precision-contract)")
     if bf16 and cfg.algorithm.rollout_correction.bypass_mode:
         lines.append("precision: rollout_correction.bypass_mode clips the PPO ratio against the bf16 engine's "
-                     f"logprobs: on the demo the numerics alone clip {BYPASS_BF16_CLIPPED} of the tokens at step 1")
+                     f"logprobs: on the demo the numerics alone clip {BYPASS_BF16_CLIPPED} of the tokens at step 1 "
+                     "(docs/performance.md#the-precision-contract)")
     return lines

@@ -213,6 +213,9 @@ class VLLMEngine:
             trust_remote_code=model.trust_remote_code,
             use_tqdm_on_load=False,
         )
+        if model.head_float32 and dtype != "float32":
+            # the trainer's float32 LM head (distflow.rollout.precision): vLLM's own option for it
+            kwargs["hf_overrides"] = {"head_dtype": "float32"}
         self.adapter_folder, self.lora_request, self.head_adapted = None, None, False
         if model.lora.enabled and model.lora.resync == "adapter":
             check_adapter_resync(hf_config, on_cpu)
