@@ -81,9 +81,10 @@ class ModelConfig:
         "in backward (distflow.train.lm_head): no [B, R, V] fp32 tensor for a micro-batch. 0: the plain path "
         "(whole-micro-batch logits).", operational=True)
     logprob_head_float32: bool = knob(
-        True, "With the chunked logprob path, run the LM head's matmul in float32 whatever model.dtype: bf16 logits "
-        "keep 8 bits (with them the SmolLM2 demo ended at 0.492 against 0.526 over 3 seeds, within seed noise: "
-        "docs/performance.md). Costs the head's share of the update at float32 speed; no effect in float32.")
+        True, "With the chunked logprob path, run the LM head's matmul in float32 whatever model.dtype, on both sides: "
+        "the trainer's logprobs and the engine's sampling (vLLM's head_dtype override, the HF engine's float32 head; "
+        "distflow.rollout.precision), so that bf16 leaves only the body's kernels between them. bf16 logits keep 8 "
+        "bits. No effect in float32; an engine serving LoRA adapters keeps its head in the model dtype.")
     router_aux_loss_coef: Optional[float] = knob(
         None, "Mixture-of-experts models: add this times the routers' load-balancing loss (Switch Transformer's, as "
         "transformers computes it; distflow.train.router) to the policy loss; null: the model config's own "
