@@ -41,10 +41,10 @@ class Float32Head:
         return F.linear(hidden.float(), self.weight, self.bias)
 
 
-# Measured on the demo (SmolLM2-135M, bf16, 2 CPU ranks; bench/precision.py, docs/performance.md
+# Measured on the demo (SmolLM2-135M, bf16, vLLM, 2 CPU ranks; bench/precision.py, docs/performance.md
 # "The precision contract"): the tokens PPO's clip cuts at step 1 when the engine's logprobs are
 # the old policy's (bypass mode).
-BYPASS_BF16_CLIPPED = "TBD"
+BYPASS_BF16_CLIPPED = "0.2%"
 
 
 def contract_lines(cfg: DistflowConfig) -> list[str]:
