@@ -30,6 +30,7 @@ from config_helpers import compose
 from dist_helpers import gathered, run_distributed
 from grad_helpers import assert_grads_close, full_grads, update_batch
 from distflow.algorithms import AdvantageInputs, gae_advantages
+from distflow.algorithms.correction_metrics import HEAD
 from distflow.distributed import all_reduce
 from distflow.distributed.layout import ParallelLayout
 from distflow.sample import Sample
@@ -78,8 +79,9 @@ CASES = {  # name: (recipe overrides, options)
     # Dr. GRPO's token sum over a constant length
     "empty_rank": (["algorithm=drgrpo", "algorithm.entropy_coef=0.01"], {"groups": [0, 2], "one_rank": True}),
 }
-METRICS = ("loss", "tokens", "kl", "entropy", "clip_low", "clip_high", "dual_clip", "tis_weight")
-COUNTS = ("tokens", "clip_low", "clip_high", "dual_clip", "value_clipped", "value_tokens")
+METRICS = ("loss", "tokens", "kl", "entropy", "clip_low", "clip_high", "dual_clip")
+CORRECTION = ("weight_sum", "rho_sum", "tokens_clipped")  # the rollout correction's sums (correction_metrics)
+COUNTS = ("tokens", "clip_low", "clip_high", "dual_clip", "value_clipped", "value_tokens", "tokens_clipped")
 VALUE_METRICS = ("value_loss", "value_clipped", "value_sum", "value_tokens")
 
 
@@ -258,6 +260,7 @@ def _case(rank, world, policy, critic, cfg, opts, groups):
         for m, micro in enumerate(plans[p].minis):
             sums = up[p].backward_policy(policy, batch, rows[m], micro)
             mini = {k: float(all_reduce(getattr(sums, k))) for k in METRICS}
+            mini.update({k: float(all_reduce(sums.correction.values[HEAD.index(k)])) for k in CORRECTION})
             mini["grads"] = _trainable_grads(policy.model)
             policy.optimizer.zero_grad(set_to_none=True)
             if critic is not None:
