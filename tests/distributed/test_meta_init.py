@@ -53,8 +53,7 @@ def _train_step(kind: str, built, cfg: DistflowConfig, rank: int, world: int) ->
     else:
         sums = Updater(cfg, 0).backward_policy(built, update_batch(samples[lo:hi], adv[lo:hi]), rows)
         loss = sums.loss
-    _, taken = built.step(loss)
-    assert taken
+    assert built.step(loss)[1] == "taken"
 
 
 def _worker(rank, world, model_dir):

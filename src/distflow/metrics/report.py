@@ -103,6 +103,7 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
         "lr": lr,
         **{f"reward/{k}": g[f"reward/{k}"] for k in REWARD_FAILURES},
         "update/nonfinite_skipped": float(upd.nonfinite_skipped),
+        "update/zero_gradient_skipped": float(upd.zero_gradient_skipped),
         # what the policy's loss passes fed the model, all ranks and epochs: padded rows count their
         # padding, packed rows (optim.shared_prefix) each group's prompt once
         "update/forward_tokens": g["upd/forward_tokens"],

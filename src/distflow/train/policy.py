@@ -113,6 +113,7 @@ class ShardedModel:
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
         )
         self.max_grad_norm = optim.max_grad_norm
+        self.skip_zero_gradient = optim.skip_zero_gradient
 
     def _reshard_if_no_grad(self) -> None:
         # FSDP2 keeps the root unsharded after forward in anticipation of backward; with no
@@ -131,20 +132,24 @@ class ShardedModel:
         else:
             self.model.set_requires_all_reduce(enabled, recurse=True)
 
-    def step(self, loss: float) -> tuple[float, bool]:
+    def step(self, loss: float) -> tuple[float, str]:
         """Clip gradients and take one optimizer step, unless this rank's `loss` or the global
         gradient norm is not finite on ANY rank (one all_reduce decides, so every rank agrees):
         then the gradients are dropped and the weights, optimizer and schedule stay untouched.
-        Returns (pre-clip global grad norm, whether the step was taken)."""
+        So too, with `skip_zero_gradient`, when the global gradient is exactly zero: Adam's stale
+        moments would move the weights with no signal in the batch. Returns the pre-clip global
+        grad norm and what happened: "taken", "nonfinite" or "zero_gradient"."""
         norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(self.model), self.max_grad_norm)
         norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         bad = not (math.isfinite(loss) and math.isfinite(norm))
-        taken = float(all_reduce(float(bad), "max")) == 0.0
-        if taken:
+        worst = all_reduce(torch.tensor([float(bad), float(norm != 0.0)]), "max")
+        outcome = ("nonfinite" if worst[0] > 0 else
+                   "zero_gradient" if self.skip_zero_gradient and worst[1] == 0 else "taken")
+        if outcome == "taken":
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return norm, taken
+        return norm, outcome
 
     @property
     def lr(self) -> float:

@@ -121,6 +121,7 @@ class UpdateResult:
     skipped: bool = False  # no sample left anywhere: nothing was trained
     actor_skipped: bool = False  # critic warm-up
     nonfinite_skipped: int = 0  # optimizer steps dropped because a loss or gradient was not finite
+    zero_gradient_skipped: int = 0  # optimizer steps not taken: the global gradient was exactly zero
 
 
 def plan_micro_batches(lengths: list[int], size: int, token_budget: int = 0) -> list[list[int]]:
@@ -340,7 +341,7 @@ class Updater:
         policy (None: not trained this step, e.g. critic warm-up) and of the critic (if any).
 
         Each model's step is dropped on all ranks when its loss or gradient norm is not finite
-        on any (ShardedModel.step)."""
+        on any, or its gradient is exactly zero (ShardedModel.step)."""
         result = UpdateResult(passes=self.mini_batches * self.epochs, actor_skipped=policy is None)
         norms: dict[str, list[float]] = {"policy": [], "critic": []}
         rows = self.mini_batch_rows(len(batch))
@@ -354,9 +355,10 @@ class Updater:
                     if epoch > 0:
                         sums.first_epoch_only()
                     result.sums += sums
-                    norm, taken = model.step(sums.loss if name == "policy" else sums.value_loss)
+                    norm, outcome = model.step(sums.loss if name == "policy" else sums.value_loss)
                     norms[name].append(norm)
-                    result.nonfinite_skipped += not taken
+                    result.nonfinite_skipped += outcome == "nonfinite"
+                    result.zero_gradient_skipped += outcome == "zero_gradient"
         result.grad_norm = sum(norms["policy"]) / max(len(norms["policy"]), 1)
         result.critic_grad_norm = sum(norms["critic"]) / max(len(norms["critic"]), 1)
         return result
