@@ -73,6 +73,7 @@ class RecordingLLM:
 def _engine(on_cpu=False, sleep_during_update=True) -> VLLMEngine:
     engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM construction: the stand-in is the engine
     engine.llm, engine.on_cpu, engine.tied_head, engine.sleeping = RecordingLLM(), on_cpu, False, False
+    engine.head32 = False  # a float32 head would add one more rpc after each CPU reload
     engine.cfg = RolloutConfig(sleep_during_update=sleep_during_update)
     engine.adapter_folder, engine.lora_request = None, None
     engine.version, engine._running, engine._waiting, engine.token_budget = 0, {}, [], 1 << 20
