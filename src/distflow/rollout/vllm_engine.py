@@ -37,6 +37,7 @@ from distflow.distributed.devices import compute_dtype, concrete
 from distflow.models.adapter_folder import AdapterFolder
 from distflow.models.weight_names import CheckpointNames
 from distflow.rollout.base import Request, generate_by_steps
+from distflow.rollout.precision import cache_float32_head
 from distflow.sample import Sample
 
 
@@ -144,28 +145,6 @@ def _repack_tied_lm_head(worker) -> None:
         dispatch_cpu_unquantized_gemm(head, remove_weight=False)
 
 
-def _cache_float32_head(worker) -> None:
-    """With a float32 head (hf_overrides head_dtype), vLLM's CPU path casts the head's weight to
-    float32 at every decode step (on CUDA it accumulates a bf16 matmul in float32 instead): keep
-    one float32 copy of this rank's shard, made again after each weight load, and multiply by it.
-    The same values as vLLM's cast, without the cast (1.6x slower generation on the demo). The head
-    is whatever module the model hands its logits processor: `lm_head`, or the embedding itself
-    where a tied model (Gemma) has no `lm_head`."""
-    import torch.nn.functional as F
-
-    model = worker.model_runner.get_model()
-    float32_weights: dict = {}  # head module -> its float32 weight, filled at the first decode step
-
-    def apply_head(lm_head, hidden_states, embedding_bias):
-        weight = float32_weights.get(lm_head)
-        if weight is None:
-            weight = float32_weights[lm_head] = lm_head.weight.detach().float()
-        bias = None if embedding_bias is None else embedding_bias.float()
-        return F.linear(hidden_states.float(), weight, bias)
-
-    model.logits_processor._apply_head = apply_head
-
-
 def _repack_cpu_experts(worker) -> None:
     """vLLM 0.32's CPU mixture-of-experts kernel packs the expert weights into its grouped-GEMM
     layout on the first load only. An in-place reload leaves them in the checkpoint layout, which
@@ -257,7 +236,7 @@ class VLLMEngine:
         self.llm = LLM(**kwargs)
         self.tied_head = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
         if self.head32 and on_cpu:
-            self.llm.collective_rpc(_cache_float32_head)
+            self.llm.collective_rpc(cache_float32_head)
         self.sleeping = False
         self.version = 0
         self._running: dict[str, _Running] = {}  # submitted, not finished or aborted
@@ -374,7 +353,7 @@ class VLLMEngine:
                 self.llm.collective_rpc(_repack_tied_lm_head)
             self.llm.collective_rpc(_repack_cpu_experts)
             if self.head32:
-                self.llm.collective_rpc(_cache_float32_head)
+                self.llm.collective_rpc(cache_float32_head)
         if asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.sleeping = False
