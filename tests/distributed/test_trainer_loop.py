@@ -83,7 +83,8 @@ def cases(tmp: Path) -> list[tuple[str, str, list[str], dict]]:
     odd = ["pipeline=carryover", "task.env=envs_for_tests:OddToolEnv"]  # one or two turns: steps stop between them
     run = [(f"algo_{a}", f"algo_{a}", [f"algorithm={a}", "run.steps=2"], {}) for a in ALGORITHMS]
     run += [
-        ("grpo_padded", "grpo_padded", ["algorithm=grpo", "run.steps=1", "optim.shared_prefix=off"], {}),
+        ("grpo_padded", "grpo_padded", ["algorithm=grpo", "run.steps=1", "optim.shared_prefix=off",
+                                          "algorithm.kl_metric=true"], {}),
         ("kl_tis", "kl_tis", ["run.steps=2", "algorithm.kl_coef=0.05", "algorithm.entropy_coef=0.01",
                               f"algorithm.tis_cap={TIS_CAP}", "algorithm.dual_clip_c=3.0"], {}),
         ("dapo_empty_rank", "dapo_empty_rank", ["algorithm=dapo", "run.steps=2",
@@ -245,12 +246,14 @@ def test_every_algorithm_recipe_trains(runs, algorithm):
 
 def test_packed_rows_take_the_step_padded_rows_take(runs):
     """The default packs each group's prompt once (optim.shared_prefix=auto, 4 samples a prompt);
-    a run on padded rows draws the same samples and must take the same first step."""
+    a run on padded rows draws the same samples and must take the same first step. The padded run
+    also measures the KL to a reference (algorithm.kl_metric), which must leave its step alone."""
     packed, padded = _trained(runs, "algo_grpo", steps=2)[0], _trained(runs, "grpo_padded", steps=1)[0]
     for key in ("reward/mean", "response_length/mean", "loss/policy", "grad_norm"):
         assert packed[key] == pytest.approx(padded[key], rel=1e-5, abs=1e-8), (key, packed[key], padded[key])
     assert max(packed["sync/max_abs_logprob_diff"], padded["sync/max_abs_logprob_diff"]) <= 1e-5
     assert packed["update/forward_tokens"] < padded["update/forward_tokens"]
+    assert "loss/kl" not in packed and padded["loss/kl"] == pytest.approx(0.0, abs=1e-6)  # the reference is the policy
 
 
 def test_kl_entropy_tis_and_dual_clip_metrics(runs):

@@ -438,6 +438,11 @@ def test_compute_token_loss_composes_terms():
     for kw in ({"rc_rollout_is": "token"}, {"rc_bypass_mode": True}, {"kl_coef": 0.1}, {"entropy_coef": 0.01}):
         with pytest.raises(ValueError):
             compute_token_loss(lp.detach(), old, adv, mask, cfg_with(**kw))
+    # kl_metric at kl_coef = 0: the KL to the reference is measured, the loss is exactly the plain one
+    measured, info = compute_token_loss(lp.detach(), old, adv, mask, cfg_with(kl_metric=True), ref_logp=ref)
+    assert torch.equal(measured, POLICY_LOSSES["ppo_clip"](lp.detach(), old, adv, mask, cfg_with())[0])
+    assert torch.allclose(info["kl"], kl) and cfg_with(kl_metric=True).needs_reference
+    assert not cfg_with().needs_reference and cfg_with(kl_coef=0.1).needs_reference
 
 
 # ----------------------------------------------------------------------------- DAPO helpers

@@ -62,7 +62,7 @@ def compute_token_loss(
     given, its weight being exactly 1 when it is off; info["correction"] is its Correction.
     `weight_scale` is the batch normalisation of its importance weights. Raises ValueError when an
     input the config asks for is missing. info adds "kl", "entropy" ([B,T], detached) when those
-    terms are active.
+    terms are active ("kl" also with kl_metric, whose reference logprobs are given but not added).
     """
     rc = cfg.rollout_correction
     if engine_logp is None and rc.active:
@@ -76,11 +76,14 @@ def compute_token_loss(
     m = mask.bool()
     if correction is not None:
         loss, info["correction"] = loss * correction.weight, correction
-    if cfg.kl_coef > 0 and not cfg.kl_in_reward:
-        if ref_logp is None:
-            raise ValueError("algorithm.kl_coef > 0 needs reference-policy logprobs")
+    kl_in_loss = cfg.kl_coef > 0 and not cfg.kl_in_reward
+    if kl_in_loss and ref_logp is None:
+        raise ValueError("algorithm.kl_coef > 0 needs reference-policy logprobs")
+    if ref_logp is not None and (kl_in_loss or cfg.kl_metric):
         kl = kl_penalty(torch.where(m, logp, 0.0), torch.where(m, ref_logp, 0.0), cfg.kl_estimator)
-        loss, info["kl"] = loss + cfg.kl_coef * torch.where(m, kl, 0.0), kl.detach() * m
+        info["kl"] = kl.detach() * m
+        if kl_in_loss:
+            loss = loss + cfg.kl_coef * torch.where(m, kl, 0.0)
     if cfg.entropy_coef != 0:
         if entropy is None:
             raise ValueError("algorithm.entropy_coef != 0 needs per-token entropy (entropy_from_logits)")

@@ -42,10 +42,16 @@ class AlgorithmConfig:
     eps: float = knob(
         1e-6, "Added to the std when whitening: (x - mean) / (std + eps). verl's masked_whiten uses (x - mean) * "
         "rsqrt(var + 1e-8); the two differ only when the std is near 0.")
-    kl_coef: float = knob(0.0, "KL to a frozen reference policy; 0 builds no reference model at all.")
+    kl_coef: float = knob(0.0, "KL to a frozen reference policy; 0 builds no reference model at all (unless "
+                          "kl_metric).")
     kl_estimator: KLEstimator = knob("k3", "k1, k2 or k3 (Schulman 2020; verl's kl, mse, low_var_kl).")
     kl_in_reward: bool = knob(False, "Subtract kl_coef * KL from the rewards, per token, instead of adding it to the "
                               "loss.")
+    kl_metric: bool = knob(
+        False, "Build the frozen reference (the initial policy) even at kl_coef = 0 and report loss/kl, the "
+        "policy's KL to it on the sampled tokens (kl_estimator, the token mean over the update's passes; with one "
+        "optimizer step per batch, the policy before the step): how far training has moved the policy, at the cost "
+        "of the reference's memory and one more forward per step. The loss is unchanged.")
     entropy_coef: float = knob(0.0, "Entropy bonus weight.")
     rollout_correction: RolloutCorrectionConfig = knob(factory=RolloutCorrectionConfig)
     dynamic_sampling: bool = knob(False, "DAPO's dynamic sampling: drop groups whose rewards are all equal and "
@@ -57,6 +63,10 @@ class AlgorithmConfig:
     overlong_penalty: float = knob(1.0, "The soft overlong punishment's largest penalty.")
     gamma: float = knob(1.0, "Discount of the per-token returns (GAE and REINFORCE++); 1: undiscounted.")
     lam: float = knob(1.0, "GAE's lambda.")
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kl_coef > 0 or self.kl_metric
 
     @property
     def needs_critic(self) -> bool:

@@ -112,7 +112,7 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
     }
     if a.dual_clip_c is not None:
         out["clip/fraction_dual"] = g["upd/dual_clip"] / trained
-    if a.kl_coef > 0:
+    if a.needs_reference:
         out["loss/kl"] = g["upd/kl"] / trained
     if a.entropy_coef != 0:
         out["loss/entropy"] = g["upd/entropy"] / trained

@@ -58,9 +58,9 @@ class Learner:
         self.updater = Updater(cfg, pad_id)  # plans each batch's passes once, runs them
         with phase("startup:policy"):
             self.policy = Policy(model_path, cfg.model, cfg.optim, layout)
-            # The frozen reference exists only when KL is on: beta = 0 costs nothing. With LoRA it is
-            # the policy with its adapters off.
-            self.reference = None if a.kl_coef <= 0 else self.policy.base() if self.policy.lora \
+            # The frozen reference exists only when KL is on or measured: beta = 0 costs nothing. With
+            # LoRA it is the policy with its adapters off.
+            self.reference = None if not a.needs_reference else self.policy.base() if self.policy.lora \
                 else Policy(model_path, cfg.model, cfg.optim, layout, trainable=False)
         # The critic exists only for estimators that need values (PPO's GAE).
         with phase("startup:critic"):

@@ -56,7 +56,7 @@ def estimate(cfg: DistflowConfig, policy: ModelShape, critic: ModelShape | None,
         "AdamW state": 8 * trainable / shard,
         "CUDA context and NCCL": CONTEXT_BYTES,
     }
-    if cfg.algorithm.kl_coef > 0 and not m.lora.enabled:
+    if cfg.algorithm.needs_reference and not m.lora.enabled:
         always["KL reference"] = compute_bytes * policy.parameters / shard
     if critic is not None:
         always["critic weights and AdamW state"] = 12 * critic.parameters / shard
