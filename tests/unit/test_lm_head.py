@@ -23,9 +23,12 @@ def test_float32_head_of_a_bf16_model_equals_the_float32_formula_and_trains_the_
     out = chunked_stats(hidden, head, targets, mask, 0.7, 3, False, torch.float32)[..., 0]
     m = mask.bool()
     ref, _ = token_stats(F.linear(hidden.detach().float(), head.weight.detach().float()), targets, 0.7, False)
-    assert torch.equal(out[m], ref[m]) and torch.all(out[~m] == 0)
+    # float32 rounding only: the chunks' matmuls may pick another kernel or summation order than the
+    # whole batch's (with one thread here they differ in the last bit), bf16 logits by ~0.3
+    torch.testing.assert_close(out[m], ref[m], rtol=1e-6, atol=1e-5)
+    assert torch.all(out[~m] == 0)
     bf16, _ = token_stats(F.linear(hidden.detach(), head.weight.detach()), targets, 0.7, False)
-    assert (bf16[m] - ref[m]).abs().max() > 1e-3  # bf16 logits really are coarser: the option matters
+    assert (bf16[m] - ref[m]).abs().max() > 1e-2  # bf16 logits really are coarser: the option matters
     out.sum().backward()
     assert head.weight.grad.dtype == torch.bfloat16 and hidden.grad.dtype == torch.bfloat16
     assert head.weight.grad.abs().sum() > 0
