@@ -3,7 +3,8 @@
 --num_processes 2` silently runs one process on this machine).
 
 Same prompts (recipes/data/arith.jsonl with the arith task's system prompt, chat-templated by TRL),
-same numeric reward as distflow, one generation and one optimizer step per training step
+same numeric reward as distflow (--reward gym: reasoning-gym's scorer on rows that carry their
+`gym_entry`, as the demo's task writes them), one generation and one optimizer step per training step
 (gradient_accumulation_steps=1, so generation_batch_size = global batch), beta = 0 (no reference
 model), plain transformers `generate` (use_vllm=False). --bf16 sets GRPOConfig(bf16=True): TRL still
 loads the model in fp32 (its default dtype, the master weights) and accelerate runs the model's
@@ -11,7 +12,8 @@ forward, in generation and training alike, under torch.autocast("cpu", bfloat16)
 
 Rank 0 writes --out: per-step wall times (slowest rank, like distflow's timing/step_s) and the
 running `num_tokens` TRL logs (prompt+completion tokens of all processes); per-step tokens are
-differences of it.
+differences of it; and TRL's own per-step log (reward, frac_reward_zero_std, grad_norm, ...).
+--save-model writes the trained policy as an HF folder (model and tokenizer) for an evaluation.
 """
 
 from __future__ import annotations
@@ -26,12 +28,27 @@ import torch.distributed as dist
 from datasets import Dataset
 from transformers import AutoTokenizer, TrainerCallback
 
+from distflow.tasks.gym import gym_reward as distflow_gym_reward
 from distflow.tasks.rewards.numeric import numeric_match
 
 
+def _texts(completions) -> list[str]:
+    return [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+
+
 def numeric_reward(prompts, completions, answer, **_):
-    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-    return [numeric_match(t, str(a)) for t, a in zip(texts, answer)]
+    return [numeric_match(t, str(a)) for t, a in zip(_texts(completions), answer)]
+
+
+def gym_reward(prompts, completions, item_json, **_):
+    return [distflow_gym_reward("", t, [], json.loads(i)) for t, i in zip(_texts(completions), item_json)]
+
+
+def warmup_schedule(optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """distflow's schedule (distflow.train.policy): linear warm-up reaching the full rate at optimizer
+    step `warmup_steps` - 1, then constant. HF's constant_with_warmup starts at 0 and is one step behind."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps > 0 else 1.0)
 
 
 class StepTimer(TrainerCallback):
@@ -63,6 +80,10 @@ def main() -> None:
     p.add_argument("--prompts-per-step", type=int, required=True, help="global prompts per optimizer step")
     p.add_argument("--max-completion-length", type=int, required=True)
     p.add_argument("--lr", type=float, required=True)
+    p.add_argument("--warmup-steps", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--reward", choices=("numeric", "gym"), default="numeric")
+    p.add_argument("--save-model", default="", help="write the trained policy here (HF folder)")
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bf16", action="store_true", help="bf16 autocast over fp32 weights (GRPOConfig bf16=True)")
@@ -84,20 +105,32 @@ def main() -> None:
     rows = [json.loads(line) for line in open(a.data) if line.strip()]
     system = [{"role": "system", "content": a.system_prompt}] if a.system_prompt else []
     dataset = Dataset.from_list([{"prompt": system + [{"role": "user", "content": r["prompt"]}],
-                                  "answer": str(r["answer"])} for r in rows])
+                                  "answer": str(r["answer"]), "item_json": json.dumps(r)} for r in rows])
     config = GRPOConfig(
         output_dir=a.output_dir, use_cpu=True, bf16=a.bf16, fp16=False, use_vllm=False,
         num_generations=a.num_generations, per_device_train_batch_size=global_batch // world,
         gradient_accumulation_steps=1, beta=0.0, max_completion_length=a.max_completion_length,
-        temperature=1.0, top_p=1.0, learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0,
+        temperature=a.temperature, top_p=1.0, learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.0, max_grad_norm=1.0, max_steps=a.steps, logging_steps=1, report_to=[],
         save_strategy="no", seed=a.seed, disable_tqdm=True, dataloader_num_workers=0,
     )
     tokenizer = AutoTokenizer.from_pretrained(a.model_path)
     timer = StepTimer()
-    trainer = GRPOTrainer(model=a.model_path, reward_funcs=numeric_reward, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[timer])
+
+    class Trainer(GRPOTrainer):
+        def create_scheduler(self, num_training_steps, optimizer=None):
+            if self.lr_scheduler is None:
+                self.lr_scheduler = warmup_schedule(optimizer or self.optimizer, a.warmup_steps)
+            return self.lr_scheduler
+
+    reward = {"numeric": numeric_reward, "gym": gym_reward}[a.reward]
+    trainer = Trainer(model=a.model_path, reward_funcs=reward, args=config, train_dataset=dataset,
+                      processing_class=tokenizer, callbacks=[timer])
     trainer.train()
+    if a.save_model:
+        trainer.save_model(a.save_model)  # rank 0 writes; the others wait for it
+        if int(os.environ.get("RANK", "0")) == 0:
+            tokenizer.save_pretrained(a.save_model)
 
     steps = timer.steps
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -111,7 +144,7 @@ def main() -> None:
         with open(a.out, "w") as f:
             json.dump({"world_size": world, "torch_threads": torch.get_num_threads(), **precision(trainer),
                        "config": {k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str, bool, type(None)))},
-                       "steps": steps}, f, indent=1)
+                       "steps": steps, "log": trainer.state.log_history}, f, indent=1)
 
 
 if __name__ == "__main__":

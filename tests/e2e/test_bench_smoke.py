@@ -242,6 +242,23 @@ def test_carryover_smoke(tmp_path):
     assert modes[0]["carried_tokens"] == 0 and modes[3]["carried_tokens"] > 0, out["summary"]
 
 
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl not installed (pip install 'trl==1.16.*')")
+def test_demo_seeds_smoke(tmp_path):
+    # TRL's side only: distflow's side is the recipe itself, run as every test here runs it
+    out = run_bench("demo_seeds", tmp_path, "--frameworks", "trl")
+    assert set(out["results"]) == {"trl"} and out["steps"] == 2 and out["heldout_items"] == 8
+    for framework, per_seed in out["results"].items():
+        r = per_seed["0"]
+        assert 0 <= r["after"] <= 1 and 0 <= r["signal_steps"] <= 2 and 0 <= r["reward_mean"] <= 1, (framework, r)
+    # TRL trains with the settings the demo's own config resolved to, on the demo task's rows
+    trl = out["results"]["trl"]["0"]["command"]
+    for flag in ("--reward gym", "--temperature 0.7", "--lr 2e-05", "--warmup-steps 2", "--steps 2",
+                 "--num-generations 4", "--prompts-per-step 4"):
+        assert flag in trl, (flag, trl)
+    rows = [json.loads(line) for line in (tmp_path / "work" / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == 1000 and all(r["gym_entry"]["answer"] == r["answer"] for r in rows)
+
+
 def test_precision_smoke(tmp_path):
     out = run_bench("precision", tmp_path)
     rows = {(r["precision"], r["bypass"]): r for r in out["rows"]}
