@@ -30,6 +30,7 @@ from transformers import AutoTokenizer, TrainerCallback
 
 from distflow.tasks.gym import gym_reward as distflow_gym_reward
 from distflow.tasks.rewards.numeric import numeric_match
+from distflow.train.policy import warmup_schedule
 
 
 def _texts(completions) -> list[str]:
@@ -42,13 +43,6 @@ def numeric_reward(prompts, completions, answer, **_):
 
 def gym_reward(prompts, completions, item_json, **_):
     return [distflow_gym_reward("", t, [], json.loads(i)) for t, i in zip(_texts(completions), item_json)]
-
-
-def warmup_schedule(optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """distflow's schedule (distflow.train.policy): linear warm-up reaching the full rate at optimizer
-    step `warmup_steps` - 1, then constant. HF's constant_with_warmup starts at 0 and is one step behind."""
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps > 0 else 1.0)
 
 
 class StepTimer(TrainerCallback):
@@ -110,14 +104,14 @@ def main() -> None:
         output_dir=a.output_dir, use_cpu=True, bf16=a.bf16, fp16=False, use_vllm=False,
         num_generations=a.num_generations, per_device_train_batch_size=global_batch // world,
         gradient_accumulation_steps=1, beta=0.0, max_completion_length=a.max_completion_length,
-        temperature=a.temperature, top_p=1.0, learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0,
+        temperature=a.temperature, top_p=1.0, learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=a.warmup_steps,
         weight_decay=0.0, max_grad_norm=1.0, max_steps=a.steps, logging_steps=1, report_to=[],
         save_strategy="no", seed=a.seed, disable_tqdm=True, dataloader_num_workers=0,
     )
     tokenizer = AutoTokenizer.from_pretrained(a.model_path)
     timer = StepTimer()
 
-    class Trainer(GRPOTrainer):
+    class Trainer(GRPOTrainer):  # distflow's warm-up schedule, not HF's
         def create_scheduler(self, num_training_steps, optimizer=None):
             if self.lr_scheduler is None:
                 self.lr_scheduler = warmup_schedule(optimizer or self.optimizer, a.warmup_steps)

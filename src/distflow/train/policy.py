@@ -48,6 +48,13 @@ def _backward_order(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> li
     return [p for p in in_blocks + [p for p in model.parameters() if id(p) not in seen] if p.requires_grad]
 
 
+def warmup_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up reaching the full rate at optimizer step `warmup_steps` - 1, then constant
+    (HF's constant_with_warmup starts at 0, a step behind)."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps > 0 else 1.0)
+
+
 class ShardedModel:
     """An HF model sharded with FSDP2 (each decoder block, then the root), its AdamW optimizer
     and linear-warm-up LR schedule. trainable=False freezes it and builds no optimizer.
@@ -108,10 +115,7 @@ class ShardedModel:
             weight_decay=optim.weight_decay,
             fused=True,
         )
-        warmup = optim.warmup_steps if warmup_steps is None else warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
-        )
+        self.scheduler = warmup_schedule(self.optimizer, optim.warmup_steps if warmup_steps is None else warmup_steps)
         self.max_grad_norm = optim.max_grad_norm
         self.skip_zero_gradient = optim.skip_zero_gradient
 
