@@ -61,13 +61,13 @@ def demo_steps(args) -> int:
     return 2 if args.smoke else int(yaml.safe_load((C.ROOT / "recipes/experiment/demo.yaml").read_text())["run"]["steps"])
 
 
-def run_distflow(args, wd: Path, seed: int) -> dict:
+def run_distflow(args, wd: Path, seed: int, cfg: dict) -> dict:
     out = wd / f"distflow-s{seed}"
     C.fresh(out)
     overrides = demo_overrides(args, out, [f"run.seed={seed}", *args.set])
     wall = C.torchrun(C.GRPO, overrides, 2, wd / f"distflow-s{seed}.log")
     summary, ms = json.loads((out / "summary.json").read_text()), C.read_metrics(out)
-    assert len(ms) == demo_steps(args), f"{out}: {len(ms)} steps, TRL runs {demo_steps(args)}"
+    assert len(ms) == cfg["train_steps"], f"{out}: {len(ms)} steps, TRL runs {cfg['train_steps']}"
     return {"after": summary["heldout_pass1_after"], "before": summary["heldout_pass1_before"],
             "signal_steps": sum(m["grad_norm"] > 0 for m in ms),
             "reward_mean": statistics.fmean(m["reward/mean"] for m in ms), "wall_s": wall,
@@ -108,8 +108,7 @@ def training_rows(cfg: dict, path: Path) -> Path:
     from distflow.config.task import TaskConfig
     from distflow.tasks.gym import gym_rows
 
-    task = TaskConfig(**{k: v for k, v in cfg["task"].items()})
-    path.write_text("".join(json.dumps(r) + "\n" for r in gym_rows(task, "train")))
+    path.write_text("".join(json.dumps(r) + "\n" for r in gym_rows(TaskConfig(**cfg["task"]), "train")))
     return path
 
 
@@ -130,7 +129,7 @@ def main() -> None:
     results: dict[str, dict[int, dict]] = {f: {} for f in frameworks}
     for seed in seeds(args.seeds or ("0" if args.smoke else "0-15")):
         for f in frameworks:
-            r = run_distflow(args, wd, seed) if f == "distflow" else run_trl(args, wd, seed, cfg, rows)
+            r = run_distflow(args, wd, seed, cfg) if f == "distflow" else run_trl(args, wd, seed, cfg, rows)
             results[f][seed] = r
             print(f"seed {seed} {f}: {before:.3f} -> {r['after']:.3f}, {r['signal_steps']} signal steps, "
                   f"reward {r['reward_mean']:.3f}, {r['wall_s']:.0f} s", flush=True)
