@@ -70,13 +70,19 @@ class Resolved:
             critic_path = _local_folder(cfg.critic.path, dist) if cfg.critic.path else model_path
         from transformers import AutoConfig
 
-        from distflow.models.folder_check import check_model_folder
+        from distflow.models.folder_check import check_model_folder, check_same_tokenizer
         from distflow.train.policy import check_model_options
 
         trust = cfg.model.trust_remote_code
         check_model_folder(model_path, "model.path", trust)
         if cfg.has_critic and critic_path != model_path:
             check_model_folder(critic_path, "critic.path", trust, tokenizer=False)
+        teacher_path, teacher_shape = None, None
+        if cfg.algorithm.needs_teacher:
+            teacher_path = _local_folder(cfg.teacher.path, dist)
+            check_model_folder(teacher_path, "teacher.path", trust)
+            check_same_tokenizer(model_path, teacher_path, "teacher.path", trust)
+            teacher_shape = model_shape(AutoConfig.from_pretrained(teacher_path, trust_remote_code=trust), trust)
         model_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust)
         check_model_options(model_path, cfg.model, model_config)  # before any weights load
         check_context(cfg.rollout, model_config, model_path)
@@ -87,9 +93,9 @@ class Resolved:
                 model_shape(AutoConfig.from_pretrained(critic_path, trust_remote_code=trust), trust)
         # CUDA: what each phase needs must fit (None on CPU, or with run.memory_check=false)
         memory = check_memory_budget(cfg, model_path, layout, critic_path, policy_shape=shape,
-                                     critic_shape=critic_shape)
+                                     critic_shape=critic_shape, teacher_shape=teacher_shape)
         return RunPlan(cfg, self.auto, self.dtype_note, layout, model_path, critic_path, model_config, shape,
-                       critic_shape, memory)
+                       critic_shape, memory, teacher_path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +112,7 @@ class RunPlan:
     shape: ModelShape  # the policy's parameter count and sizes
     critic_shape: ModelShape | None  # None without a critic
     memory: dict[str, dict[str, float]] | None  # bytes per rank by item and phase (CUDA, run.memory_check)
+    teacher_path: str | None = None  # the distillation teacher's local folder; None without one
 
     @property
     def dtype(self) -> torch.dtype:

@@ -64,7 +64,7 @@ class Trainer:
             self.rollout = Rollout(cfg, self.dist, self.task, run.tokenizer, run.plan.model_path,
                                    run.plan.layout.engine_group, self.timer)
             self.learner = Learner(cfg, run.plan.layout, run.plan.model_path, run.plan.critic_path, run.pad_id,
-                                   self.timer.phase)
+                                   self.timer.phase, run.plan.teacher_path)
             self.probe = EngineProbe(self.rollout, self.learner.policy, cfg.run, cfg.model.dtype, run.pad_id)
             self.validator = Validator(cfg.validation, cfg.run.steps, self.rollout.evaluate)
             self.step, self.nonfinite_streak = 0, 0

@@ -44,9 +44,12 @@ BASE = ["experiment=smoke", "model.dtype=float32", "rollout=hf", "logging.plot_a
 ALGORITHMS = sorted(p.stem for p in (RECIPES / "algorithm").glob("*.yaml"))
 SPECIFIC = {
     "dapo": ["dynamic_sampling/kept_groups", "dynamic_sampling/rounds"],
+    "distill": ["distill/reverse_kl_mean", "distill/reverse_kl_p99", "distill/reverse_kl_max", "timing/teacher_s"],
     "ppo": ["value/loss", "value/clip_fraction", "value/mean", "critic/grad_norm"],
 }
 TIS_CAP = 0.99
+# what a recipe needs beside its group: distill's teacher (here the student itself: zero advantage)
+RECIPE_NEEDS = {"distill": ["teacher.path=tiny"]}
 
 
 def skewed_task(path: Path) -> str:
@@ -81,7 +84,10 @@ def cases(tmp: Path) -> list[tuple[str, str, list[str], dict]]:
     tools = ["task.env=envs_for_tests:ScriptedToolEnv", "+task.env_args={tools: [calculator]}", "rollout.max_turns=2",
              "rollout.max_total_tokens=64", "rollout.max_prompt_tokens=352", "run.steps=3"]
     odd = ["pipeline=carryover", "task.env=envs_for_tests:OddToolEnv"]  # one or two turns: steps stop between them
-    run = [(f"algo_{a}", f"algo_{a}", [f"algorithm={a}", "run.steps=2"], {}) for a in ALGORITHMS]
+    # distillation from the model sync_ref exported (4 steps from the student), with half the task reward
+    distill = ["algorithm=distill", f"teacher.path={tmp}/sync_ref/hf_model", "algorithm.distill_reward_weight=0.5"]
+    run = [(f"algo_{a}", f"algo_{a}", [f"algorithm={a}", "run.steps=2", *RECIPE_NEEDS.get(a, [])], {})
+           for a in ALGORITHMS]
     run += [
         ("grpo_padded", "grpo_padded", ["algorithm=grpo", "run.steps=1", "optim.shared_prefix=off",
                                           "algorithm.kl_metric=true"], {}),
@@ -96,6 +102,10 @@ def cases(tmp: Path) -> list[tuple[str, str, list[str], dict]]:
         ("dapo_eta1", "dapo_eta1", ["algorithm=dapo", "run.steps=3", "pipeline=carryover"], {}),
         ("sync_ref", "sync_ref", [*exact, "run.steps=4"], {}),
         ("carryover_eta0", "carryover_eta0", [*exact, "run.steps=4", "pipeline.mode=carryover"], {}),
+        ("distill_straight", "distill_straight", [*distill, "run.steps=2"], {}),
+        ("distill_first_half", "distill_split", [*distill, "run.steps=1", "checkpoint.every=1"], {}),
+        ("distill_other_teacher", "distill_split", [*distill, "run.steps=2", "teacher.path=tiny"], {}),
+        ("distill_continued", "distill_split", [*distill, "run.steps=2", "checkpoint.resume=force"], {}),
         ("carry_straight", "carry_straight", [*carry, "run.steps=6"], {}),
         ("carry_first_half", "carry_split", [*carry, "run.steps=3"], {}),
         ("carry_continued", "carry_split", [*carry, "run.steps=6", "checkpoint.resume=force"], {}),
@@ -254,6 +264,23 @@ def test_packed_rows_take_the_step_padded_rows_take(runs):
     assert max(packed["sync/max_abs_logprob_diff"], padded["sync/max_abs_logprob_diff"]) <= 1e-5
     assert packed["update/forward_tokens"] < padded["update/forward_tokens"]
     assert "loss/kl" not in packed and padded["loss/kl"] == pytest.approx(0.0, abs=1e-6)  # the reference is the policy
+
+
+def test_distillation_learns_from_the_teacher_and_resumes_exactly(runs):
+    """A teacher that is the student gives zero advantage on every token: no gradient at all. A
+    trained teacher (sync_ref's export) gives a positive reverse KL and a gradient; a run stopped
+    after step 1 and continued equals one run straight through (the teacher is frozen: nothing of
+    it is saved), and resuming with another teacher is refused as another run."""
+    for r in _trained(runs, "algo_distill", steps=2):
+        assert r["distill/reverse_kl_mean"] == 0.0 and r["distill/reverse_kl_max"] == 0.0, r
+        assert r["grad_norm"] == 0.0 and r["update/zero_gradient_skipped"] == 1, r
+    straight = _trained(runs, "distill_straight", steps=2)
+    assert all(r["distill/reverse_kl_mean"] > 0 and r["grad_norm"] > 0 for r in straight), straight
+    assert all(r["distill/reverse_kl_p99"] <= r["distill/reverse_kl_max"] * 1.13 for r in straight), straight
+    _trained(runs, "distill_first_half", steps=1)
+    refused = runs["distill_other_teacher"]
+    assert refused["outcome"] == "refused" and "teacher.path: " in refused["message"], refused
+    assert [stable_metrics(r) for r in straight] == [stable_metrics(r) for r in _trained(runs, "distill_continued", steps=2)]
 
 
 def test_kl_entropy_tis_and_dual_clip_metrics(runs):

@@ -269,3 +269,14 @@ def test_precision_smoke(tmp_path):
     for r in rows.values():
         assert 0 <= r["abs_mean"] <= r["abs_max"] and _positive(r["generate_s"]) and _positive(r["update_s"]), r
     assert rows[("bf16, fp32 heads", False)]["abs_max"] > 0  # bf16 weights: the two sides' sums differ
+
+
+def test_distill_smoke(tmp_path):
+    # the student's seed is the teacher's: two launches (the teacher's GRPO run is the GRPO row)
+    out = run_bench("distill", tmp_path, "--seed", "0")
+    teacher, student = out["teacher"], out["student"]
+    assert out["grpo"] == teacher and 0 <= out["base"] <= 1 and 0 <= student["after"] <= 1
+    assert len(student["reverse_kl"]) == len(student["teacher_s"]) == 2 and not teacher["reverse_kl"]
+    assert "algorithm=distill" in student["command"] and str(tmp_path / "work" / "teacher" / "hf_model") in \
+        student["command"]
+    assert (tmp_path / "work" / "teacher" / "hf_model" / "config.json").is_file()

@@ -413,8 +413,8 @@ FAULTS: list[Fault] = [
           "nothing was started", "Raise it to at least `algorithm.group_size`, or null.",
           _config({"pipeline": {"mode": "carryover", "max_concurrency": 2}})),
     Fault("config-unknown-option", "config", "an unknown choice of a config group: `algorithm=grpo2`",
-          (E + "In 'grpo': Could not find 'algorithm/grpo2' Available options in 'algorithm': cispo dapo drgrpo grpo "
-               "gspo ppo reinforce_pp reinforce_pp_baseline rloo",),
+          (E + "In 'grpo': Could not find 'algorithm/grpo2' Available options in 'algorithm': cispo dapo distill drgrpo "
+               "grpo gspo ppo reinforce_pp reinforce_pp_baseline rloo",),
           "nothing was started", "Pick one of the options listed.", _recipe("algorithm=grpo2")),
     Fault("config-not-an-integer", "config", "a command-line value Hydra cannot convert: `run.steps=abc`",
           (E + "Error merging override run.steps=abc: Value 'abc' of type 'str' could not be converted to Integer",),

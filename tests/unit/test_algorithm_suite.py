@@ -482,8 +482,8 @@ def test_default_config_is_valid():
 
 
 @pytest.mark.parametrize("kw, match", [
-    ({"advantage": "ppo"}, "algorithm.advantage must be one of grpo, rloo, reinforce_pp, reinforce_pp_baseline, gae; "
-                           "got 'ppo'"),
+    ({"advantage": "ppo"}, "algorithm.advantage must be one of grpo, rloo, reinforce_pp, reinforce_pp_baseline, gae, "
+                           "distill; got 'ppo'"),
     ({"policy_loss": "trpo"}, "algorithm.policy_loss must be one of"),
     ({"kl_estimator": "k4"}, "algorithm.kl_estimator must be one of"),
     ({"loss_agg_mode": "mean"}, "algorithm.loss_agg_mode must be one of"),
@@ -523,7 +523,7 @@ def test_registries_cover_config_names():
 
     assert set(SEQUENCE_ESTIMATORS) == {"grpo", "rloo"}
     assert set(ADVANTAGE_ESTIMATORS) == set(get_args(Advantage)) == {"grpo", "rloo", "reinforce_pp",
-                                                                     "reinforce_pp_baseline", "gae"}
+                                                                     "reinforce_pp_baseline", "gae", "distill"}
     assert set(CRITIC_ESTIMATORS) == {"gae"}
     assert set(POLICY_LOSSES) == set(get_args(PolicyLoss)) == {"ppo_clip", "gspo", "cispo"}
     assert set(KL_ESTIMATORS) == set(get_args(KLEstimator)) == {"k1", "k2", "k3"}
@@ -541,7 +541,7 @@ def test_expected_recipes_exist():
 @pytest.mark.parametrize("path", RECIPE_FILES, ids=os.path.basename)
 def test_recipe_loads_and_validates(path):
     name = os.path.splitext(os.path.basename(path))[0]
-    cfg = compose([f"algorithm={name}"])
+    cfg = compose([f"algorithm={name}", *(["teacher.path=tiny"] if name == "distill" else [])])
     assert cfg.algorithm.name == name
     assert cfg.has_critic == (name == "ppo")  # the critic follows from the estimator
     cfg.validate()

@@ -29,7 +29,8 @@ def valid(**sections) -> DistflowConfig:
     for p in sorted((RECIPES / g).glob("*.yaml"))
 ])
 def test_every_recipe_config_composes_and_validates(group, name):
-    cfg = compose([f"{group}={name}", *(["task.path=data.jsonl"] if (group, name) == ("task", "jsonl") else [])])
+    needs = {("task", "jsonl"): ["task.path=data.jsonl"], ("algorithm", "distill"): ["teacher.path=tiny"]}
+    cfg = compose([f"{group}={name}", *needs.get((group, name), [])])
     if group == "model" and name != "tiny":
         cfg.model.path = "tiny"  # validation only: do not convert a real model here
     cfg.validate()

@@ -41,6 +41,8 @@ class AdvantageInputs:
     token_rewards: torch.Tensor  # [N, R] per-token rewards (e.g. -beta * KL), 0 on padding
     mask: torch.Tensor  # [N, R] 1 on generated response tokens (0 on padding and observation tokens)
     values: Optional[torch.Tensor] = None  # [N, R] the critic's V(state before token t), for GAE
+    # [N, R] log pi_student - log pi_teacher of each sampled token, for on-policy distillation
+    teacher_log_ratio: Optional[torch.Tensor] = None
 
     def sequence_rewards(self) -> torch.Tensor:
         """[N] float32: each sample's outcome reward plus the sum of its valid token rewards."""

@@ -19,6 +19,7 @@ from distflow.algorithms.advantages import (
     rloo_advantages,
     sequence_estimator,
 )
+from distflow.algorithms.distill import distill_advantages
 from distflow.algorithms.kl import KL_ESTIMATORS, kl_penalty
 from distflow.algorithms.losses import cispo_loss, gspo_loss, ppo_clip_loss
 from distflow.algorithms.rollout_correction import rollout_correction
@@ -32,6 +33,7 @@ ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
     "reinforce_pp": reinforce_pp_advantages,
     "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
     "gae": gae_advantages,
+    "distill": distill_advantages,
 }
 
 # fn(logp [B,T], old_logp [B,T], advantages [B] | [B,T], mask [B,T], cfg) -> (token_loss [B,T], info)

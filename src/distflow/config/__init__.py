@@ -23,11 +23,12 @@ from distflow.config.rollout_correction import RolloutCorrectionConfig
 from distflow.config.run import RunConfig
 from distflow.config.schema import OPERATIONAL, DistflowConfig, config_differences, config_record
 from distflow.config.task import TaskConfig
+from distflow.config.teacher import TeacherConfig
 from distflow.config.validation import ValidationConfig
 
 __all__ = [
     "BUILTIN_MODELS", "CRITIC_ESTIMATORS", "MAX_ENGINE_LORA_RANK", "OPERATIONAL", "AlgorithmConfig", "CheckpointConfig",
     "ConfigError", "CriticConfig", "DataConfig", "DistflowConfig", "LoggingConfig", "LoraConfig", "ModelConfig",
-    "OptimConfig", "PipelineConfig", "RolloutConfig", "RolloutCorrectionConfig", "RunConfig", "TaskConfig", "ValidationConfig", "config_differences",
+    "OptimConfig", "PipelineConfig", "RolloutConfig", "RolloutCorrectionConfig", "RunConfig", "TaskConfig", "TeacherConfig", "ValidationConfig", "config_differences",
     "config_record", "hydra_schema", "rename_overrides",
 ]

@@ -8,7 +8,7 @@ from typing import Literal, Optional
 from distflow.config.fields import knob, section
 from distflow.config.rollout_correction import RolloutCorrectionConfig
 
-Advantage = Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"]
+Advantage = Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "distill"]
 PolicyLoss = Literal["ppo_clip", "gspo", "cispo"]
 KLEstimator = Literal["k1", "k2", "k3"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -22,7 +22,8 @@ GROUP_RELATIVE = ("grpo", "rloo", "reinforce_pp_baseline")
 class AlgorithmConfig:
     name: str = knob("grpo", "A label for the run (the algorithm groups set it); nothing branches on it.")
     group_size: int = knob(4, "Samples per prompt, all generated and scored on the same rank.")
-    advantage: Advantage = knob("grpo", "The advantage estimator (docs/algorithms.md); gae trains a critic.")
+    advantage: Advantage = knob("grpo", "The advantage estimator (docs/algorithms.md); gae trains a critic; distill "
+                                "learns from teacher.path's log-probabilities (on-policy distillation).")
     scale_rewards: bool = knob(True, "Divide by the group std (GRPO); false: Dr. GRPO style.")
     policy_loss: PolicyLoss = knob(
         "ppo_clip", "The policy loss. gspo clamps each token's log-ratio to +-20 before the sequence mean and the "
@@ -61,12 +62,20 @@ class AlgorithmConfig:
     overlong_buffer_len: int = knob(0, "DAPO's soft overlong punishment over this many tokens before the response "
                                     "budget; 0: off.")
     overlong_penalty: float = knob(1.0, "The soft overlong punishment's largest penalty.")
+    distill_reward_weight: float = knob(
+        0.0, "advantage=distill: each token's advantage is -(log pi_student - log pi_teacher) plus this weight "
+        "times the task reward's GRPO advantage (group-normalised, the same on every token of a sample); 0: the "
+        "teacher alone (the rewards are still scored and reported).")
     gamma: float = knob(1.0, "Discount of the per-token returns (GAE and REINFORCE++); 1: undiscounted.")
     lam: float = knob(1.0, "GAE's lambda.")
 
     @property
     def needs_reference(self) -> bool:
         return self.kl_coef > 0 or self.kl_metric
+
+    @property
+    def needs_teacher(self) -> bool:
+        return self.advantage == "distill"
 
     @property
     def needs_critic(self) -> bool:
@@ -89,6 +98,11 @@ class AlgorithmConfig:
             (self.overlong_buffer_len >= 0,
              f"algorithm.overlong_buffer_len must be >= 0, got {self.overlong_buffer_len}"),
             (self.overlong_penalty >= 0, f"algorithm.overlong_penalty must be >= 0, got {self.overlong_penalty}"),
+            (self.distill_reward_weight >= 0,
+             f"algorithm.distill_reward_weight must be >= 0, got {self.distill_reward_weight}"),
+            (not self.needs_teacher or self.distill_reward_weight == 0 or self.group_size >= 2,
+             "algorithm.distill_reward_weight > 0 adds the task reward's group-relative advantage and needs "
+             f"group_size >= 2, got {self.group_size}"),
             (self.eps > 0, f"algorithm.eps must be > 0, got {self.eps}"),
             (self.ppo_epochs >= 1, f"algorithm.ppo_epochs must be >= 1, got {self.ppo_epochs}"),
             (0 <= self.gamma <= 1 and 0 <= self.lam <= 1,

@@ -14,6 +14,7 @@ from typing import Any
 from distflow.config.algorithm import AlgorithmConfig
 from distflow.config.checkpoint import CheckpointConfig
 from distflow.config.critic import CriticConfig
+from distflow.config.teacher import TeacherConfig
 from distflow.config.data import DataConfig
 from distflow.config.fields import (
     ConfigError,
@@ -44,6 +45,7 @@ class DistflowConfig:
     algorithm: AlgorithmConfig = knob(factory=AlgorithmConfig)
     optim: OptimConfig = knob(factory=OptimConfig)
     critic: CriticConfig = knob(factory=CriticConfig)
+    teacher: TeacherConfig = knob(factory=TeacherConfig)
     data: DataConfig = knob(factory=DataConfig)
     pipeline: PipelineConfig = knob(factory=PipelineConfig)
     task: TaskConfig = knob(factory=TaskConfig)
@@ -96,6 +98,11 @@ def _across_sections(cfg: DistflowConfig) -> list[tuple[bool, str]]:
         (cfg.pipeline.max_concurrency is None or cfg.pipeline.max_concurrency >= a.group_size,
          f"pipeline.max_concurrency={cfg.pipeline.max_concurrency} is below algorithm.group_size={a.group_size}: "
          "a group's samples run together"),
+        (not a.needs_teacher or bool(cfg.teacher.path),
+         "algorithm.advantage=distill learns from a teacher: set teacher.path to its model folder"),
+        (a.needs_teacher or not cfg.teacher.path,
+         f"teacher.path is set but algorithm.advantage={a.advantage} does not use a teacher: set "
+         "algorithm.advantage=distill (algorithm=distill), or leave teacher.path empty"),
         (not cfg.validation.wanted or cfg.task.has_heldout,
          "validation needs a held-out split: set task.heldout_size" if cfg.task.name == "reasoning_gym"
          else "validation needs a held-out split: set task.heldout_path"),

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from distflow.algorithms import distill
 from distflow.algorithms.correction_metrics import RHO_MAX, correction_metrics
 from distflow.algorithms.mismatch import EDGES, percentile
 from distflow.config import DistflowConfig
@@ -66,6 +67,9 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
     }
     if cfg.task.env:
         sums.update(episode_sums(samples))
+    # distillation's sums (every rank has them; the max entry joins the maxima)
+    teacher = (upd.distill or [0.0, 0.0, float("-inf")] + [0.0] * (distill.SIZE - 3)) if a.needs_teacher else []
+    sums.update({f"distill/v{k}": v for k, v in enumerate(teacher) if k != distill.MAX})
     carryover = cfg.pipeline.mode == "carryover"
     ages = token_ages(step, samples) if carryover else []
     if carryover:
@@ -76,6 +80,7 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
                    "response_length/max": float(max(resp_lens)), "sync/max_abs_logprob_diff": probe,
                    "dynamic_sampling/rounds": float(stats.rounds), "mismatch/abs_max": s.mismatch.abs_max,
                    f"rollout_corr/v{RHO_MAX}": s.correction.values[RHO_MAX],
+                   **({f"distill/v{distill.MAX}": teacher[distill.MAX]} if teacher else {}),
                    **gpu_memory()})
     if carryover:
         maxima.update({"staleness/max": float(max(ages, default=0)),
@@ -127,6 +132,8 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
         out["value/rmse"] = (g["upd/value_sq_error"] / values) ** 0.5
         out["critic/grad_norm"] = upd.critic_grad_norm
         out["update/actor_skipped"] = float(upd.actor_skipped)
+    if teacher:
+        out.update(distill.distill_metrics([g[f"distill/v{k}"] for k in range(distill.SIZE)]))
     if cfg.task.env:
         out.update({"turns/mean": g["turns"] / n, "response_length/generated_mean": g["generated"] / n,
                     "tool/calls": g["tool_calls"], "tool/errors": g["tool_errors"],

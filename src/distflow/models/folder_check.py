@@ -107,3 +107,23 @@ def _check_safetensors(file: Path, where: str) -> None:
     if size < need:
         raise ConfigError(f"{where}: {file.name} is cut short ({size} bytes, its header describes {need}): "
                           "download or copy it again")
+
+
+def check_same_tokenizer(model_path: str | Path, other_path: str | Path, key: str,
+                         trust_remote_code: bool = False) -> None:
+    """ConfigError (one line) when the folder `other_path` (named by `key`) tokenizes differently from
+    the policy's `model_path`: a model that scores the policy's token ids (a distillation teacher)
+    must read them as the same tokens. Compares the vocabularies (token -> id) and the special tokens."""
+    from transformers import AutoTokenizer
+
+    mine, theirs = (AutoTokenizer.from_pretrained(p, trust_remote_code=trust_remote_code)
+                    for p in (model_path, other_path))
+    a, b = mine.get_vocab(), theirs.get_vocab()
+    if a == b and mine.all_special_tokens == theirs.all_special_tokens:
+        return
+    differ = sorted((t for t in a.keys() | b.keys() if a.get(t) != b.get(t)), key=lambda t: min(a.get(t, 1 << 62),
+                                                                                              b.get(t, 1 << 62)))
+    example = f"token {differ[0]!r} is id {a.get(differ[0])} in one and {b.get(differ[0])} in the other" if differ \
+        else f"special tokens {mine.all_special_tokens} and {theirs.all_special_tokens}"
+    raise ConfigError(f"{key} {other_path} has another tokenizer than model.path {model_path} ({len(b)} tokens "
+                      f"against {len(a)}; {example}): it scores the policy's token ids, so both must use one tokenizer")

@@ -151,6 +151,8 @@ class UpdateBatch:
     # [B, R] the tokens the engine/trainer mismatch is measured on: those of the engine's current
     # version (older ones differ by the updates between); None: the loss mask
     mismatch_mask: torch.Tensor | None = None
+    # [B, R] log pi_student - log pi_teacher of each response token (on-policy distillation)
+    teacher_log_ratio: torch.Tensor | None = None
     # 1 / the mean truncated importance weight over the whole step's batch (all ranks), when the
     # rollout correction normalises its weights (rollout_is_batch_normalize); 1 otherwise
     is_weight_scale: float = 1.0

@@ -1,7 +1,7 @@
 """The learner: everything that trains, as one component the trainer drives.
 
 It holds the policy, the frozen reference (only with KL on), the critic (only for estimators
-that need values) and the updater, and turns a step's samples and rewards into an optimizer
+that need values), the distillation teacher (only for advantage=distill) and the updater, and turns a step's samples and rewards into an optimizer
 step: batch -> plan -> logprobs -> advantages -> update. It also hands out what the engine must
 load after an update (the weight stream, or a LoRA policy's adapters). Nothing here knows about engines, tasks or the run folder.
 """
@@ -16,6 +16,7 @@ from typing import Callable, ContextManager, Iterator
 import torch
 
 from distflow.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs
+from distflow.algorithms.distill import distill_vector
 from distflow.algorithms.rollout_correction import importance_weight_sums
 from distflow.config import DistflowConfig, RolloutCorrectionConfig
 from distflow.distributed import all_reduce
@@ -34,11 +35,13 @@ log = logging.getLogger("distflow")
 
 @dataclasses.dataclass(frozen=True)
 class Logprobs:
-    """The forward passes before the update: old (sampling-time) and reference logprobs, values."""
+    """The forward passes before the update: old (sampling-time) and reference logprobs, values,
+    and log pi_student - log pi_teacher of each token (distillation)."""
 
     old: OldLogprobs
     ref: torch.Tensor | None
     values: torch.Tensor | None
+    teacher_log_ratio: torch.Tensor | None = None
 
 
 def importance_weight_scale(rc: RolloutCorrectionConfig, old: torch.Tensor, batch: UpdateBatch) -> float:
@@ -51,10 +54,12 @@ def importance_weight_scale(rc: RolloutCorrectionConfig, old: torch.Tensor, batc
 
 class Learner:
     def __init__(self, cfg: DistflowConfig, layout: ParallelLayout, model_path: str, critic_path: str, pad_id: int,
-                 phase: Callable[[str], ContextManager] = lambda name: contextlib.nullcontext()):
-        """`phase`: the start-up's phase clock (PhaseTimer.phase), around each model's load."""
+                 phase: Callable[[str], ContextManager] = lambda name: contextlib.nullcontext(),
+                 teacher_path: str | None = None):
+        """`phase`: the phase clock (PhaseTimer.phase), around each model's load and the teacher's
+        forward; `teacher_path`: the distillation teacher's local folder (advantage=distill)."""
         a = cfg.algorithm
-        self.cfg, self.pad_id = cfg, pad_id
+        self.cfg, self.pad_id, self.phase = cfg, pad_id, phase
         self.updater = Updater(cfg, pad_id)  # plans each batch's passes once, runs them
         with phase("startup:policy"):
             self.policy = Policy(model_path, cfg.model, cfg.optim, layout)
@@ -65,6 +70,10 @@ class Learner:
         # The critic exists only for estimators that need values (PPO's GAE).
         with phase("startup:critic"):
             self.critic = Critic(critic_path, cfg.critic, cfg.model, cfg.optim, layout) if cfg.has_critic else None
+        # The teacher exists only for distillation: frozen, built and sharded as the reference is.
+        with phase("startup:teacher"):
+            self.teacher = Policy(teacher_path or cfg.teacher.path, cfg.model, cfg.optim, layout, trainable=False) \
+                if a.needs_teacher else None
         self.estimator = ADVANTAGE_ESTIMATORS[a.advantage]
 
     def batch(self, samples: list[Sample], current_version: int) -> UpdateBatch:
@@ -89,26 +98,35 @@ class Learner:
         old = u.logprobs(self.policy, plan) if needs_old else CURRENT_POLICY
         ref = u.logprobs(self.reference, plan) if self.reference else None
         values = u.values(self.critic, plan) if self.critic else None
-        return Logprobs(old, ref, values)
+        ratio = None
+        if self.teacher is not None:  # the student's own pass when the update would not need one
+            student = old if old is not CURRENT_POLICY else u.logprobs(self.policy, plan)
+            with self.phase("teacher"):
+                ratio = student - u.logprobs(self.teacher, plan)
+        return Logprobs(old, ref, values, ratio)
 
     def advantages(self, batch: UpdateBatch, rewards: torch.Tensor, lp: Logprobs) -> UpdateBatch:
         old = lp.old if lp.old is not CURRENT_POLICY else None
         scores, token_rewards = shape_rewards(rewards, batch.tokens, self.cfg.algorithm,
                                               self.cfg.rollout.response_budget(), old, lp.ref)
-        inputs = AdvantageInputs(scores, token_rewards, batch.tokens.resp_mask, lp.values)  # all on the device
+        inputs = AdvantageInputs(scores, token_rewards, batch.tokens.resp_mask, lp.values,  # all on the device
+                                 lp.teacher_log_ratio)
         advantages, returns = self.estimator(inputs, self.cfg.algorithm, lambda v: all_reduce(v).tolist())
         rc = self.cfg.algorithm.rollout_correction
         scale = importance_weight_scale(rc, lp.old, batch) if rc.rollout_is_batch_normalize else 1.0
         return batch.with_(advantages=advantages, old_logprobs=lp.old, ref_logprobs=lp.ref, values=lp.values,
-                           returns=returns, is_weight_scale=scale)
+                           returns=returns, is_weight_scale=scale, teacher_log_ratio=lp.teacher_log_ratio)
 
     def update(self, batch: UpdateBatch, plan: StepPlan, step: int) -> UpdateResult:
         """The optimizer steps over `plan`; none if no group is left anywhere, the critic's alone in its warm-up."""
+        distill = distill_vector(batch.teacher_log_ratio, batch.loss_mask).tolist() \
+            if batch.teacher_log_ratio is not None else None
         if int(all_reduce(len(batch))) == 0:
             log.info(f"step {step}: every group was filtered out; update skipped")
-            return UpdateResult(skipped=True)
+            return UpdateResult(skipped=True, distill=distill)
         train_actor = self.critic is None or step > self.cfg.critic.warmup_steps
-        return self.updater.optimize(self.policy if train_actor else None, self.critic, batch, plan)
+        result = self.updater.optimize(self.policy if train_actor else None, self.critic, batch, plan)
+        return dataclasses.replace(result, distill=distill)
 
     @property
     def sends_adapter(self) -> bool:

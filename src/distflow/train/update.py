@@ -122,6 +122,7 @@ class UpdateResult:
     actor_skipped: bool = False  # critic warm-up
     nonfinite_skipped: int = 0  # optimizer steps dropped because a loss or gradient was not finite
     zero_gradient_skipped: int = 0  # optimizer steps not taken: the global gradient was exactly zero
+    distill: list[float] | None = None  # distillation's per-rank sums (distflow.algorithms.distill), if any
 
 
 def plan_micro_batches(lengths: list[int], size: int, token_budget: int = 0) -> list[list[int]]:
