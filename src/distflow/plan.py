@@ -77,12 +77,14 @@ class Resolved:
         check_model_folder(model_path, "model.path", trust)
         if cfg.has_critic and critic_path != model_path:
             check_model_folder(critic_path, "critic.path", trust, tokenizer=False)
-        teacher_path, teacher_shape = None, None
+        teacher_path, frozen = None, {}
         if cfg.algorithm.needs_teacher:
             teacher_path = _local_folder(cfg.teacher.path, dist)
             check_model_folder(teacher_path, "teacher.path", trust)
             check_same_tokenizer(model_path, teacher_path, "teacher.path", trust)
-            teacher_shape = model_shape(AutoConfig.from_pretrained(teacher_path, trust_remote_code=trust), trust)
+            frozen["distillation teacher"] = model_shape(AutoConfig.from_pretrained(teacher_path,
+                                                                                    trust_remote_code=trust), trust)
+        scorer_paths = _scoring_models(cfg, dist, frozen)
         model_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust)
         check_model_options(model_path, cfg.model, model_config)  # before any weights load
         check_context(cfg.rollout, model_config, model_path)
@@ -93,9 +95,9 @@ class Resolved:
                 model_shape(AutoConfig.from_pretrained(critic_path, trust_remote_code=trust), trust)
         # CUDA: what each phase needs must fit (None on CPU, or with run.memory_check=false)
         memory = check_memory_budget(cfg, model_path, layout, critic_path, policy_shape=shape,
-                                     critic_shape=critic_shape, teacher_shape=teacher_shape)
+                                     critic_shape=critic_shape, others=frozen)
         return RunPlan(cfg, self.auto, self.dtype_note, layout, model_path, critic_path, model_config, shape,
-                       critic_shape, memory, teacher_path)
+                       critic_shape, memory, teacher_path, scorer_paths)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +115,7 @@ class RunPlan:
     critic_shape: ModelShape | None  # None without a critic
     memory: dict[str, dict[str, float]] | None  # bytes per rank by item and phase (CUDA, run.memory_check)
     teacher_path: str | None = None  # the distillation teacher's local folder; None without one
+    scorer_paths: dict[str, str] = dataclasses.field(default_factory=dict)  # reward models' and judges' folders
 
     @property
     def dtype(self) -> torch.dtype:
@@ -158,6 +161,30 @@ def check_context(rollout, model_config, model_path: str) -> None:
         raise ConfigError(f"rollout.max_prompt_tokens={rollout.max_prompt_tokens} and {budget} need sequences of up "
                           f"to {need} tokens, beyond the model's max_position_embeddings={limit} "
                           f"({model_path}/config.json): lower them")
+
+
+def _scoring_models(cfg: DistflowConfig, dist: DistInfo, shapes: dict) -> dict[str, str]:
+    """Each reward model's and judge's local folder (by its configured path), checked before any
+    weights load: the folder, a reward model's head (one label), a judge's yes/no tokens. Their
+    shapes join `shapes` for the memory estimate."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from distflow.models.folder_check import check_model_folder
+    from distflow.train.model_rewards import check_reward_model_config, judge_token_ids
+
+    trust, paths = cfg.model.trust_remote_code, {}
+    for kind, specs in (("reward_models", cfg.task.reward_model_specs), ("judges", cfg.task.judge_specs)):
+        for i, spec in enumerate(specs):
+            where = f"task.{kind}[{i}].path"
+            local = paths[spec.path] = _local_folder(spec.path, dist)
+            check_model_folder(local, where, trust)
+            config = AutoConfig.from_pretrained(local, trust_remote_code=trust)
+            if kind == "reward_models":
+                check_reward_model_config(config, f"{where} {local}")
+            else:
+                judge_token_ids(AutoTokenizer.from_pretrained(local, trust_remote_code=trust), spec, f"{where} {local}")
+            shapes[f"{kind[:-1].replace('_', ' ')} {spec.name}"] = model_shape(config, trust)
+    return paths
 
 
 def _local_folder(path: str, dist: DistInfo) -> str:

@@ -42,6 +42,7 @@ from distflow.run.preemption import StepBoundary, Stopped, StopSignal
 from distflow.startup import start_run
 from distflow.tasks import Task
 from distflow.train.learner import Learner
+from distflow.train.model_rewards import ModelRewards
 
 log = logging.getLogger("distflow")
 
@@ -65,6 +66,9 @@ class Trainer:
                                    run.plan.layout.engine_group, self.timer)
             self.learner = Learner(cfg, run.plan.layout, run.plan.model_path, run.plan.critic_path, run.pad_id,
                                    self.timer.phase, run.plan.teacher_path)
+            # reward models and LLM judges: frozen models scoring each rank's samples, beside the reward functions
+            self.model_rewards = ModelRewards(cfg, run.plan.layout, run.plan.scorer_paths, self.timer.phase) \
+                if cfg.task.has_reward_models else None
             self.probe = EngineProbe(self.rollout, self.learner.policy, cfg.run, cfg.model.dtype, run.pad_id)
             self.validator = Validator(cfg.validation, cfg.run.steps, self.rollout.evaluate)
             self.step, self.nonfinite_streak = 0, 0
@@ -114,6 +118,7 @@ class Trainer:
         # what scoring did not hide behind the logprob pass
         with one_rank_may_fail(f"waiting for the rewards of step {self.step}"), phase("reward"):
             rewards = pending.result()
+        rewards, model_sums = self.add_model_rewards(rollouts, rewards)
         batch = self.learner.advantages(batch, rewards, logprobs)
         batch = self.timer.passed("on_batch", self.step, batch)
         with phase("update"):
@@ -127,8 +132,20 @@ class Trainer:
             probe = self.probe.after_sync(self.step, rollouts.samples, batch.tokens)
         timing["step"] = time.perf_counter() - t0
         timing["wait"] = waited_s() - waited0  # blocked in distflow's collectives, waiting for peers
-        record = StepRecord(self.step, rollouts, rewards, result, timing, self.learner.policy.lr, probe)
+        record = StepRecord(self.step, rollouts, rewards, result, timing, self.learner.policy.lr, probe, model_sums)
         return self.reporter.metrics(record)
+
+    def add_model_rewards(self, rollouts, rewards):
+        """The reward functions' rewards plus the reward models' and judges' weighted scores (their
+        forwards are collectives, so they run here on every rank, not in the scoring thread), and
+        this rank's sums of their raw scores for the metrics."""
+        if self.model_rewards is None:
+            return rewards, {}
+        samples = rollouts.samples
+        texts = [s.episode.final_text if s.episode is not None else
+                 self.run.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+        scores, sums = self.model_rewards(rollouts.items, samples, texts, self.cfg.algorithm.group_size)
+        return rewards + scores.view_as(rewards), sums
 
     # ----------------------------------------------------------------- weights
     def sync_weights(self) -> None:

@@ -96,7 +96,7 @@ def test_teacher_with_another_tokenizer_is_refused(tiny_model_dir, tmp_path):
     tok.save_pretrained(other)
     check_same_tokenizer(tiny_model_dir, tiny_model_dir, "teacher.path")  # the same folder passes
     with pytest.raises(ConfigError, match=r"teacher.path .* has another tokenizer than model.path .*"
-                                          r"'<tool_result>' is id None in one and \d+ in the other"):
+                                          r"'<tool_result>' is id \d+ in its vocabulary and absent in the policy's"):
         check_same_tokenizer(tiny_model_dir, other, "teacher.path")
 
 

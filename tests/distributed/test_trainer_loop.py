@@ -37,6 +37,7 @@ import torch
 from config_helpers import RECIPES, compose
 from dist_helpers import gathered, run_distributed
 from launch_helpers import stable_metrics
+from scorer_helpers import build_reward_model
 
 pytestmark = pytest.mark.slow
 
@@ -84,8 +85,11 @@ def cases(tmp: Path) -> list[tuple[str, str, list[str], dict]]:
     tools = ["task.env=envs_for_tests:ScriptedToolEnv", "+task.env_args={tools: [calculator]}", "rollout.max_turns=2",
              "rollout.max_total_tokens=64", "rollout.max_prompt_tokens=352", "run.steps=3"]
     odd = ["pipeline=carryover", "task.env=envs_for_tests:OddToolEnv"]  # one or two turns: steps stop between them
-    # distillation from the model sync_ref exported (4 steps from the student), with half the task reward
-    distill = ["algorithm=distill", f"teacher.path={tmp}/sync_ref/hf_model", "algorithm.distill_reward_weight=0.5"]
+    # distillation from the model sync_ref exported (4 steps from the student), with half the task reward,
+    # which a reward model and an LLM judge (the tiny model itself) add to
+    distill = ["algorithm=distill", f"teacher.path={tmp}/sync_ref/hf_model", "algorithm.distill_reward_weight=0.5",
+               f"task.reward_models=[{{path: {tmp}/tiny-rm, weight: 0.5}}]",
+               "task.judges=[{path: tiny, name: self, template: 'Is {answer} right? Y or N.', yes: Y, no: N}]"]
     run = [(f"algo_{a}", f"algo_{a}", [f"algorithm={a}", "run.steps=2", *RECIPE_NEEDS.get(a, [])], {})
            for a in ALGORITHMS]
     run += [
@@ -232,8 +236,9 @@ def _worker(rank, world, tmp):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("trainer_loop")
+    build_reward_model(tiny_model_dir, tmp / "tiny-rm")
     return {**run_distributed(_worker, 2, str(tmp), timeout=900), "tmp": tmp}
 
 
@@ -266,17 +271,21 @@ def test_packed_rows_take_the_step_padded_rows_take(runs):
     assert "loss/kl" not in packed and padded["loss/kl"] == pytest.approx(0.0, abs=1e-6)  # the reference is the policy
 
 
-def test_distillation_learns_from_the_teacher_and_resumes_exactly(runs):
-    """A teacher that is the student gives zero advantage on every token: no gradient at all. A
-    trained teacher (sync_ref's export) gives a positive reverse KL and a gradient; a run stopped
-    after step 1 and continued equals one run straight through (the teacher is frozen: nothing of
-    it is saved), and resuming with another teacher is refused as another run."""
+def test_models_in_the_loop_train_and_resume_exactly(runs):
+    """Distillation: a teacher that is the student gives zero advantage on every token, so no
+    gradient at all; a trained teacher (sync_ref's export) gives a positive reverse KL and a
+    gradient. With a reward model and a judge scoring beside the reward function, a run stopped
+    after step 1 and continued equals one run straight through (the models are frozen: nothing of
+    theirs is saved), and resuming with another teacher is refused as another run."""
     for r in _trained(runs, "algo_distill", steps=2):
         assert r["distill/reverse_kl_mean"] == 0.0 and r["distill/reverse_kl_max"] == 0.0, r
         assert r["grad_norm"] == 0.0 and r["update/zero_gradient_skipped"] == 1, r
     straight = _trained(runs, "distill_straight", steps=2)
     assert all(r["distill/reverse_kl_mean"] > 0 and r["grad_norm"] > 0 for r in straight), straight
     assert all(r["distill/reverse_kl_p99"] <= r["distill/reverse_kl_max"] * 1.13 for r in straight), straight
+    for r in straight:  # the judge's P(Y) / (P(Y) + P(N)) is in (0, 1); a random classifier's scores vary
+        assert 0 < r["judge/self/mean"] < 1 and r["reward_model/tiny-rm/std"] > 0, r
+        assert r["timing/score_judge_self_s"] > 0 and r["timing/score_reward_model_tiny-rm_s"] > 0, r
     _trained(runs, "distill_first_half", steps=1)
     refused = runs["distill_other_teacher"]
     assert refused["outcome"] == "refused" and "teacher.path: " in refused["message"], refused

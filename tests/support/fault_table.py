@@ -27,7 +27,7 @@ from typing import Callable
 @dataclass(frozen=True)
 class Fault:
     id: str
-    area: str  # config, data, model folder, reward module, tools, checkpoints, file system, run
+    area: str  # config, data, model folder, models in the loop, reward module, tools, checkpoints, file system, run
     fault: str  # what the user did, or what happened
     prints: tuple[str, ...]  # the lines, normalised (see `normalise`)
     keeps: str  # what distflow keeps (files, the run folder, the checkpoint)
@@ -109,6 +109,28 @@ def _plan(tree: dict) -> Callable[[Scene], None]:
         from distflow.plan import plan
 
         cfg = DistflowConfig.from_dict({**tree, "task": {"path": "d.jsonl"}, "model": {"path": scene.model}})
+        plan(cfg, DistInfo(0, 1, 0, 1, torch.device("cpu"), "gloo"))
+    return run
+
+
+def _models_in_the_loop(tree: Callable[[Scene], dict], teacher_token: str | None = None) -> Callable[[Scene], None]:
+    """The start-up plan with the models `tree(scene)` adds (a teacher, reward models, judges) over
+    the tiny model; `teacher_token`: <tmp>/teacher is the tiny model with that token added."""
+    def run(scene: Scene) -> None:
+        import torch
+
+        from distflow.config import DistflowConfig
+        from distflow.distributed import DistInfo
+        from distflow.plan import plan
+
+        if teacher_token:
+            shutil.copytree(scene.model, scene.tmp / "teacher")
+            tok = type(scene.tokenizer).from_pretrained(scene.model)
+            tok.add_tokens([teacher_token])
+            tok.save_pretrained(scene.tmp / "teacher")
+        extra = tree(scene)
+        cfg = DistflowConfig.from_dict({**extra, "task": {"path": "d.jsonl", **extra.get("task", {})},
+                                        "model": {"path": scene.model}})
         plan(cfg, DistInfo(0, 1, 0, 1, torch.device("cpu"), "gloo"))
     return run
 
@@ -533,6 +555,33 @@ FAULTS: list[Fault] = [
     Fault("layout-tensor-parallel", "config", "`rollout.tensor_parallel_size=3` on a world of one rank",
           (E + "rollout.tensor_parallel_size=3 does not divide the world size 1",), "nothing was started",
           "Use a divisor of the number of ranks.", _plan({"rollout": {"tensor_parallel_size": 3}})),
+    # models in the loop
+    Fault("distill-no-teacher", "models in the loop", "`algorithm=distill` without `teacher.path`",
+          (E + "algorithm.advantage=distill learns from a teacher: set teacher.path to its model folder",),
+          "nothing was started", "Set `teacher.path` to the teacher's folder.",
+          _config({"algorithm": {"advantage": "distill"}})),
+    Fault("teacher-tokenizer", "models in the loop", "a teacher on another tokenizer than the policy's",
+          (E + "teacher.path <tmp>/teacher has another tokenizer than model.path <model> (<N> tokens against <N>; "
+               "token '<extra_0>' is id <N> in its vocabulary and absent in the policy's): it scores the policy's "
+               "token ids, so both must use one tokenizer",),
+          "nothing was started", "Distil from a teacher of the policy's model family (the same tokenizer).",
+          _models_in_the_loop(lambda sc: {"algorithm": {"advantage": "distill"},
+                                          "teacher": {"path": str(sc.tmp / "teacher")}}, "<extra_0>")),
+    Fault("reward-model-not-a-classifier", "models in the loop", "a causal LM given as a reward model",
+          (E + "task.reward_models[0].path <model> is not a sequence classifier (its config.json names "
+               "['Qwen2ForCausalLM']): a reward model is an AutoModelForSequenceClassification with one label; a "
+               "causal LM can score as a judge (task.judges)",),
+          "nothing was started", "Give a sequence classifier, or ask the causal LM as a judge.",
+          _models_in_the_loop(lambda sc: {"task": {"reward_models": [{"path": sc.model}]}})),
+    Fault("judge-word", "models in the loop", "a judge whose `yes` word is two tokens of its vocabulary",
+          (E + "task.judges[0].path <model>: 'Yes' is 2 tokens in the judge's vocabulary ([<N>, <N>]), not one; "
+               "choose yes/no words the judge writes as one token",),
+          "nothing was started", "Choose one-token words (often with or without a leading space).",
+          _models_in_the_loop(lambda sc: {"task": {"judges": [{"path": sc.model, "template": "{answer}?"}]}})),
+    Fault("judge-template", "models in the loop", "a judge template that does not name `{answer}`",
+          (E + "task.judges[0].template has no {answer}: the judge would not see the sample it scores",),
+          "nothing was started", "Put `{answer}` in the template.",
+          _config({"task": {"judges": [{"path": "/tmp", "template": "Is {question} hard?"}]}})),
     # reward module
     Fault("reward-not-importable", "reward module", "`task.reward=no_such_module:score`",
           (E + "task.reward 'no_such_module:score' cannot be imported: ModuleNotFoundError: No module named "

@@ -40,7 +40,8 @@ def test_the_documented_32b_layout_fits_and_its_terms_are_the_documented_ones(qw
     assert gen["vLLM engine"] == 0.3 * H100 and "vLLM engine" not in upd  # asleep during the update
     assert upd["gradients"] == pytest.approx(16.38e9, rel=1e-3) and upd["activations"] < 5e9
     # a distillation teacher (here the same 32B) stays between steps, frozen in the compute dtype
-    taught = estimate(_cfg(gpu_memory_utilization=0.3), qwen_32b, None, H100, 8, 4, 2, teacher=qwen_32b)
+    taught = estimate(_cfg(gpu_memory_utilization=0.3), qwen_32b, None, H100, 8, 4, 2,
+                      others={"distillation teacher": qwen_32b})
     for phase in ("generate", "update"):
         assert taught[phase]["distillation teacher"] == 2 * qwen_32b.parameters / 8
         assert taught[phase].keys() - {"distillation teacher"} == phases[phase].keys()

@@ -103,6 +103,9 @@ def _across_sections(cfg: DistflowConfig) -> list[tuple[bool, str]]:
         (a.needs_teacher or not cfg.teacher.path,
          f"teacher.path is set but algorithm.advantage={a.advantage} does not use a teacher: set "
          "algorithm.advantage=distill (algorithm=distill), or leave teacher.path empty"),
+        (not (a.dynamic_sampling and cfg.task.has_reward_models),
+         "algorithm.dynamic_sampling keeps groups by their reward functions' scores, before reward models and judges "
+         "score them: not supported with task.reward_models or task.judges"),
         (not cfg.validation.wanted or cfg.task.has_heldout,
          "validation needs a held-out split: set task.heldout_size" if cfg.task.name == "reasoning_gym"
          else "validation needs a held-out split: set task.heldout_path"),

@@ -10,7 +10,7 @@ critic, ...). The trainer never names a metric key.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -25,6 +25,7 @@ from distflow.rollout.schedule import staleness
 from distflow.rollout.scoring import REWARD_FAILURES
 from distflow.metrics.loggers import MetricLogger, reduce_step_metrics
 from distflow.run.rundir import RunDir
+from distflow.train.model_rewards import model_reward_metrics
 from distflow.train.update import UpdateResult
 
 log = logging.getLogger("distflow")
@@ -41,6 +42,7 @@ class StepRecord:
     timing: dict[str, float]
     lr: float
     probe: float | None = None  # max |engine - policy| logprob after the resync; None: not probed
+    model_sums: dict[str, float] = field(default_factory=dict)  # reward models' and judges' raw-score sums
 
 
 def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
@@ -70,6 +72,7 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
     # distillation's sums (every rank has them; the max entry joins the maxima)
     teacher = (upd.distill or [0.0, 0.0, float("-inf")] + [0.0] * (distill.SIZE - 3)) if a.needs_teacher else []
     sums.update({f"distill/v{k}": v for k, v in enumerate(teacher) if k != distill.MAX})
+    sums.update(rec.model_sums)  # every rank runs every reward model and judge: the same keys
     carryover = cfg.pipeline.mode == "carryover"
     ages = token_ages(step, samples) if carryover else []
     if carryover:
@@ -132,6 +135,9 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
         out["value/rmse"] = (g["upd/value_sq_error"] / values) ** 0.5
         out["critic/grad_norm"] = upd.critic_grad_norm
         out["update/actor_skipped"] = float(upd.actor_skipped)
+    scorers = [f"reward_model/{m.name}" for m in cfg.task.reward_model_specs] + \
+        [f"judge/{j.name}" for j in cfg.task.judge_specs]
+    out.update(model_reward_metrics(g, scorers))
     if teacher:
         out.update(distill.distill_metrics([g[f"distill/v{k}"] for k in range(distill.SIZE)]))
     if cfg.task.env:

@@ -121,9 +121,10 @@ def check_same_tokenizer(model_path: str | Path, other_path: str | Path, key: st
     a, b = mine.get_vocab(), theirs.get_vocab()
     if a == b and mine.all_special_tokens == theirs.all_special_tokens:
         return
-    differ = sorted((t for t in a.keys() | b.keys() if a.get(t) != b.get(t)), key=lambda t: min(a.get(t, 1 << 62),
-                                                                                              b.get(t, 1 << 62)))
-    example = f"token {differ[0]!r} is id {a.get(differ[0])} in one and {b.get(differ[0])} in the other" if differ \
-        else f"special tokens {mine.all_special_tokens} and {theirs.all_special_tokens}"
+    differ = sorted((t for t in a.keys() | b.keys() if a.get(t) != b.get(t)),
+                    key=lambda t: min(a.get(t, 1 << 62), b.get(t, 1 << 62)))
+    where = lambda vocab: f"id {vocab[differ[0]]}" if differ[0] in vocab else "absent"  # noqa: E731
+    example = f"token {differ[0]!r} is {where(b)} in its vocabulary and {where(a)} in the policy's" if differ \
+        else f"special tokens {theirs.all_special_tokens} against {mine.all_special_tokens}"
     raise ConfigError(f"{key} {other_path} has another tokenizer than model.path {model_path} ({len(b)} tokens "
                       f"against {len(a)}; {example}): it scores the policy's token ids, so both must use one tokenizer")

@@ -11,7 +11,7 @@ import math
 import os
 import re
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import datasets
 
@@ -33,6 +33,7 @@ class PromptItem:
     prompt_text: str  # the same prompt as rendered text
     answer: str  # reference answer, as a string
     fields: dict  # the raw row, for task-specific rewards
+    messages: list = field(default_factory=list)  # the prompt as chat messages (reward models render their own)
 
 
 def load_prompts(task: TaskConfig, tokenizer, max_prompt_tokens: int, split: str = "train", env=None) -> list[PromptItem]:
@@ -90,7 +91,7 @@ def load_prompts(task: TaskConfig, tokenizer, max_prompt_tokens: int, split: str
             conflicting += first_answer[prompt] != answer
         else:
             first_answer[prompt] = answer
-        items.append(PromptItem(ids, text, answer, row))
+        items.append(PromptItem(ids, text, answer, row, messages))
 
     if bad:
         logger.warning("skipped %d of %d rows of %s whose %r is missing, empty, or neither a string nor chat messages",

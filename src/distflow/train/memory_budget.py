@@ -8,8 +8,8 @@ The estimate is arithmetic from the parameter count and the model's shapes (docs
   generate  the awake engine (rollout.gpu_memory_utilization of the card, or its weights plus
             rollout.kv_cache_gib when that is set), beside everything that stays between steps:
             float32 master weights (4 B per parameter / shard ranks), AdamW's two moments (8 B),
-            the frozen KL reference and a distillation teacher (in the compute dtype), the critic,
-            one resync bucket, and
+            the frozen KL reference and any other frozen model (a distillation teacher, reward
+            models, judges; in the compute dtype), the critic, one resync bucket, and
             the CUDA context and NCCL's buffers;
   update    the same without the engine when it sleeps (rollout.sleep_during_update), plus the
             float32 gradients, the gathered blocks and one micro-batch's activations and logits.
@@ -48,8 +48,10 @@ class ModelShape:
 
 def estimate(cfg: DistflowConfig, policy: ModelShape, critic: ModelShape | None, device_bytes: int,
              shard: int, engine_tp: int, compute_bytes: int,
-             teacher: ModelShape | None = None) -> dict[str, dict[str, float]]:
-    """Bytes per rank by item, for the generate and the update phase."""
+             others: dict[str, ModelShape] | None = None) -> dict[str, dict[str, float]]:
+    """Bytes per rank by item, for the generate and the update phase. `others`: the models besides the
+    policy, reference and critic (a distillation teacher, reward models, judges) by name, each held in
+    the compute dtype between steps."""
     m, o, r = cfg.model, cfg.optim, cfg.rollout
     trainable = 0 if m.lora.enabled else policy.parameters  # LoRA: adapters only, a rounding error here
     frozen = policy.parameters if m.lora.enabled else 0  # the LoRA base, in the compute dtype
@@ -62,8 +64,8 @@ def estimate(cfg: DistflowConfig, policy: ModelShape, critic: ModelShape | None,
         always["KL reference"] = compute_bytes * policy.parameters / shard
     if critic is not None:
         always["critic weights and AdamW state"] = 12 * critic.parameters / shard
-    if teacher is not None:
-        always["distillation teacher"] = compute_bytes * teacher.parameters / shard
+    for name, shape in (others or {}).items():
+        always[name] = compute_bytes * shape.parameters / shard
     if r.kv_cache_gib is None:
         engine = r.gpu_memory_utilization * device_bytes
     else:
@@ -114,7 +116,7 @@ def model_shape(config, trust_remote_code: bool = False) -> ModelShape:
 def check_memory_budget(cfg: DistflowConfig, model_path: str, layout, critic_path: str | None = None,
                         device_bytes: int | None = None, policy_shape: ModelShape | None = None,
                         critic_shape: ModelShape | None = None,
-                        teacher_shape: ModelShape | None = None) -> dict[str, dict[str, float]] | None:
+                        others: dict[str, ModelShape] | None = None) -> dict[str, dict[str, float]] | None:
     """The estimate for this run on the layout's device (CUDA; `device_bytes` defaults to its total
     memory), refused with one line when it does not fit; None on CPU or with run.memory_check=false.
     Reads the configs and builds meta skeletons only, unless the shapes are given (the start-up plan
@@ -136,6 +138,6 @@ def check_memory_budget(cfg: DistflowConfig, model_path: str, layout, critic_pat
     if critic_path and cfg.has_critic:
         critic = critic_shape or shape(critic_path)
     phases = estimate(cfg, policy_shape or shape(model_path), critic, total, layout.shard, layout.engine_tp, compute,
-                      teacher_shape)
+                      others)
     check(phases, total)
     return phases
