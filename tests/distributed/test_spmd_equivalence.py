@@ -55,10 +55,13 @@ def _advantages(a: AlgorithmConfig, rewards, local, noise):
     global_sum = lambda v: all_reduce(v).tolist()  # noqa: E731
     width = max(len(s.response_ids) for s in local)
     mask = torch.stack([torch.arange(width) < len(s.response_ids) for s in local]).float()
-    values = None
+    values = teacher = None
+    fixed = torch.stack([torch.nn.functional.pad(n, (0, width - len(n))) for n in noise]) * mask
     if a.advantage in CRITIC_ESTIMATORS:  # fixed stand-in values (the critic has its own test)
-        values = torch.stack([torch.nn.functional.pad(n, (0, width - len(n))) for n in noise]) * mask
-    inputs = AdvantageInputs(rewards, torch.zeros_like(mask), mask, values)
+        values = fixed
+    if a.advantage == "distill":  # a stand-in log pi_student - log pi_teacher (the teacher's own test: test_distill.py)
+        teacher = -fixed  # advantages = the old logprobs' noise: negative where the ratio is high, so dual clip fires
+    inputs = AdvantageInputs(rewards, torch.zeros_like(mask), mask, values, teacher)
     return ADVANTAGE_ESTIMATORS[a.advantage](inputs, a, global_sum)[0]
 
 

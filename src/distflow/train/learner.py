@@ -71,9 +71,10 @@ class Learner:
         with phase("startup:critic"):
             self.critic = Critic(critic_path, cfg.critic, cfg.model, cfg.optim, layout) if cfg.has_critic else None
         # The teacher exists only for distillation: frozen, built and sharded as the reference is.
-        with phase("startup:teacher"):
-            self.teacher = Policy(teacher_path or cfg.teacher.path, cfg.model, cfg.optim, layout, trainable=False) \
-                if a.needs_teacher else None
+        self.teacher = None
+        if a.needs_teacher:
+            with phase("startup:teacher"):
+                self.teacher = Policy(teacher_path or cfg.teacher.path, cfg.model, cfg.optim, layout, trainable=False)
         self.estimator = ADVANTAGE_ESTIMATORS[a.advantage]
 
     def batch(self, samples: list[Sample], current_version: int) -> UpdateBatch:

@@ -106,6 +106,10 @@ class ScoringModel:
         cut = len(ids) > self.spec.max_tokens
         return (ids[-self.spec.max_tokens:] if cut else ids), cut
 
+    def render(self, item: PromptItem, sample: Sample, text: str) -> str:
+        """What this model reads about one sample, as text."""
+        raise NotImplementedError
+
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
@@ -138,7 +142,8 @@ class RewardModel(ScoringModel):
                                   f"task.reward_models {path}")
         super().__init__(AutoModelForSequenceClassification, spec, model_cfg, optim, layout, path)
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, item: PromptItem, sample: Sample, text: str) -> str:
+        messages = conversation(item, sample, text)
         if self.templated:
             return self.tokenizer.apply_chat_template(messages, tokenize=False)
         return "\n".join(m["content"] for m in messages)
@@ -155,8 +160,8 @@ class Judge(ScoringModel):
         super().__init__(AutoModelForCausalLM, spec, model_cfg, optim, layout, path)
         self.yes, self.no = judge_token_ids(self.tokenizer, spec, f"task.judges {path}")
 
-    def render(self, question: str, answer: str, reference: str) -> str:
-        content = self.spec.template.format(question=question, answer=answer, reference=reference)
+    def render(self, item: PromptItem, sample: Sample, text: str) -> str:
+        content = self.spec.template.format(question=question_of(item), answer=text, reference=item.answer)
         if self.templated:
             return self.tokenizer.apply_chat_template([{"role": "user", "content": content}],
                                                       add_generation_prompt=True, tokenize=False)
@@ -194,10 +199,7 @@ class ModelRewards:
         for key, model in self.models:
             seqs, cut = [], 0
             for i, (sample, text) in enumerate(zip(samples, texts)):
-                item = items[i // group_size]
-                rendered = model.render(conversation(item, sample, text)) if isinstance(model, RewardModel) else \
-                    model.render(question_of(item), text, item.answer)
-                ids, truncated = model.encode(rendered)
+                ids, truncated = model.encode(model.render(items[i // group_size], sample, text))
                 seqs.append(ids)
                 cut += truncated
             with self.phase(f"score_{key.replace('/', '_')}"):
