@@ -3,6 +3,8 @@ docs/scaling.md fits as the docs say, and each way of not fitting is one line na
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
@@ -45,6 +47,11 @@ def test_the_documented_32b_layout_fits_and_its_terms_are_the_documented_ones(qw
     for phase in ("generate", "update"):
         assert taught[phase]["distillation teacher"] == 2 * qwen_32b.parameters / 8
         assert taught[phase].keys() - {"distillation teacher"} == phases[phase].keys()
+    # a judge that does not fit beside the training state is refused, named, before anything loads
+    small = ModelShape(qwen_32b.parameters // 8, *dataclasses.astuple(qwen_32b)[1:])
+    with pytest.raises(ConfigError, match=r"^the generate phase needs .*\(judge grader 61\.\d"):
+        check(estimate(_cfg(gpu_memory_utilization=0.3), small, None, H100, 1, 1, 2,
+                       others={"judge grader": qwen_32b}), H100)
 
 
 def test_without_checkpointing_the_update_is_refused_naming_the_knob(qwen_32b):
