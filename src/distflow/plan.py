@@ -77,14 +77,14 @@ class Resolved:
         check_model_folder(model_path, "model.path", trust)
         if cfg.has_critic and critic_path != model_path:
             check_model_folder(critic_path, "critic.path", trust, tokenizer=False)
-        teacher_path, frozen = None, {}
+        teacher_path, others = None, {}
         if cfg.algorithm.needs_teacher:
             teacher_path = _local_folder(cfg.teacher.path, dist)
             check_model_folder(teacher_path, "teacher.path", trust)
             check_same_tokenizer(model_path, teacher_path, "teacher.path", trust)
-            frozen["distillation teacher"] = model_shape(AutoConfig.from_pretrained(teacher_path,
+            others["distillation teacher"] = model_shape(AutoConfig.from_pretrained(teacher_path,
                                                                                     trust_remote_code=trust), trust)
-        scorer_paths = _scoring_models(cfg, dist, frozen)
+        scorer_paths = _scoring_models(cfg, dist, others)
         model_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust)
         check_model_options(model_path, cfg.model, model_config)  # before any weights load
         check_context(cfg.rollout, model_config, model_path)
@@ -95,7 +95,7 @@ class Resolved:
                 model_shape(AutoConfig.from_pretrained(critic_path, trust_remote_code=trust), trust)
         # CUDA: what each phase needs must fit (None on CPU, or with run.memory_check=false)
         memory = check_memory_budget(cfg, model_path, layout, critic_path, policy_shape=shape,
-                                     critic_shape=critic_shape, others=frozen)
+                                     critic_shape=critic_shape, others=others)
         return RunPlan(cfg, self.auto, self.dtype_note, layout, model_path, critic_path, model_config, shape,
                        critic_shape, memory, teacher_path, scorer_paths)
 

@@ -14,7 +14,7 @@ from config_helpers import fp32_config
 from dist_helpers import gathered, run_distributed
 from grad_helpers import fixed_batch
 from distflow.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, local_sum
-from distflow.algorithms.distill import MAX, distill_metrics, distill_vector
+from distflow.algorithms.distill import MAX, distill_metrics, distill_vector, no_sums
 from distflow.config import AlgorithmConfig, ConfigError, DistflowConfig
 from distflow.distributed.layout import ParallelLayout
 from distflow.models.folder_check import check_same_tokenizer
@@ -69,6 +69,7 @@ def test_distill_metrics_summed_over_ranks():
     assert m["distill/reverse_kl_mean"] == pytest.approx((0.5 - 0.25 + 2.0) / 3)
     assert m["distill/reverse_kl_max"] == 2.0
     assert 2.0 <= m["distill/reverse_kl_p99"] <= 2.0 * 1.13  # the bin's upper edge
+    assert empty.tolist() == no_sums()
     assert distill_metrics(empty.tolist()) == {"distill/reverse_kl_mean": 0.0, "distill/reverse_kl_p99": 0.0,
                                                "distill/reverse_kl_max": 0.0}
 

@@ -56,6 +56,11 @@ def distill_vector(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.cat([head, hist.double()])
 
 
+def no_sums() -> list[float]:
+    """The sums of a rank that measured no tokens (what distill_vector gives for an empty mask)."""
+    return [0.0, 0.0, float("-inf")] + [0.0] * (SIZE - len(HEAD))
+
+
 def distill_metrics(values: list[float]) -> dict[str, float]:
     """The distill/* metrics from a vector summed over ranks (its max combined by max)."""
     total, tokens, top = values[:len(HEAD)]

@@ -70,7 +70,7 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
     if cfg.task.env:
         sums.update(episode_sums(samples))
     # distillation's sums (every rank has them; the max entry joins the maxima)
-    teacher = (upd.distill or [0.0, 0.0, float("-inf")] + [0.0] * (distill.SIZE - 3)) if a.needs_teacher else []
+    teacher = (upd.distill or distill.no_sums()) if a.needs_teacher else []
     sums.update({f"distill/v{k}": v for k, v in enumerate(teacher) if k != distill.MAX})
     sums.update(rec.model_sums)  # every rank runs every reward model and judge: the same keys
     carryover = cfg.pipeline.mode == "carryover"
