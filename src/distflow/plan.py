@@ -77,14 +77,16 @@ class Resolved:
         check_model_folder(model_path, "model.path", trust)
         if cfg.has_critic and critic_path != model_path:
             check_model_folder(critic_path, "critic.path", trust, tokenizer=False)
-        teacher_path, others = None, {}
+        teacher_path, others, offloaded = None, {}, set()
         if cfg.algorithm.needs_teacher:
             teacher_path = _local_folder(cfg.teacher.path, dist)
             check_model_folder(teacher_path, "teacher.path", trust)
             check_same_tokenizer(model_path, teacher_path, "teacher.path", trust)
             others["distillation teacher"] = model_shape(AutoConfig.from_pretrained(teacher_path,
                                                                                     trust_remote_code=trust), trust)
-        scorer_paths = _scoring_models(cfg, dist, others)
+            if cfg.teacher.offload:
+                offloaded.add("distillation teacher")
+        scorer_paths = _scoring_models(cfg, dist, others, offloaded)
         model_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust)
         check_model_options(model_path, cfg.model, model_config)  # before any weights load
         check_context(cfg.rollout, model_config, model_path)
@@ -95,7 +97,7 @@ class Resolved:
                 model_shape(AutoConfig.from_pretrained(critic_path, trust_remote_code=trust), trust)
         # CUDA: what each phase needs must fit (None on CPU, or with run.memory_check=false)
         memory = check_memory_budget(cfg, model_path, layout, critic_path, policy_shape=shape,
-                                     critic_shape=critic_shape, others=others)
+                                     critic_shape=critic_shape, others=others, offloaded=offloaded)
         return RunPlan(cfg, self.auto, self.dtype_note, layout, model_path, critic_path, model_config, shape,
                        critic_shape, memory, teacher_path, scorer_paths)
 
@@ -163,10 +165,10 @@ def check_context(rollout, model_config, model_path: str) -> None:
                           f"({model_path}/config.json): lower them")
 
 
-def _scoring_models(cfg: DistflowConfig, dist: DistInfo, shapes: dict) -> dict[str, str]:
+def _scoring_models(cfg: DistflowConfig, dist: DistInfo, shapes: dict, offloaded: set) -> dict[str, str]:
     """Each reward model's and judge's local folder (by its configured path), checked before any
     weights load: the folder, a reward model's head (one label), a judge's yes/no tokens. Their
-    shapes join `shapes` for the memory estimate."""
+    shapes join `shapes` (and the names of those offloaded `offloaded`) for the memory estimate."""
     from transformers import AutoConfig, AutoTokenizer
 
     from distflow.models.folder_check import check_model_folder
@@ -183,7 +185,10 @@ def _scoring_models(cfg: DistflowConfig, dist: DistInfo, shapes: dict) -> dict[s
                 check_reward_model_config(config, f"{where} {local}")
             else:
                 judge_token_ids(AutoTokenizer.from_pretrained(local, trust_remote_code=trust), spec, f"{where} {local}")
-            shapes[f"{kind[:-1].replace('_', ' ')} {spec.name}"] = model_shape(config, trust)
+            name = f"{kind[:-1].replace('_', ' ')} {spec.name}"
+            shapes[name] = model_shape(config, trust)
+            if spec.offload:
+                offloaded.add(name)
     return paths
 
 

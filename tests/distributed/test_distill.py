@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from config_helpers import fp32_config
 from dist_helpers import gathered, run_distributed
+from scorer_helpers import offloaded_shards
 from grad_helpers import fixed_batch
 from distflow.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, local_sum
 from distflow.algorithms.distill import MAX, distill_metrics, distill_vector, no_sums
@@ -119,12 +120,13 @@ def _worker(rank, world, student, teachers):
     """Per teacher: this rank's rows of the advantages the learner computes for the fixed batch
     (group size 2, four samples per rank), and the update's distill sums."""
     out = {}
-    for name, teacher in teachers.items():
+    for name, (teacher, offload) in teachers.items():
         cfg = fp32_config()
-        cfg.model.path, cfg.teacher.path = student, teacher
+        cfg.model.path, cfg.teacher.path, cfg.teacher.offload = student, teacher, offload
         cfg.algorithm.advantage, cfg.algorithm.group_size = "distill", 2
         torch.manual_seed(0)
         learner = Learner(cfg, ParallelLayout.current(cfg.model), student, student, pad_id=0, teacher_path=teacher)
+        assert offloaded_shards(learner.teacher.model) == offload
         samples = fixed_batch()[0][rank * 4:(rank + 1) * 4]
         batch = learner.batch(samples, current_version=0)
         plan = learner.plan(batch)
@@ -149,7 +151,8 @@ def _plain_logprobs(folder, samples):
 
 def test_teacher_advantages_on_two_ranks_match_a_plain_forward(tiny_model_dir, tmp_path):
     teacher = _teacher_folder(tiny_model_dir, tmp_path / "teacher")
-    results = run_distributed(_worker, 2, tiny_model_dir, {"self": tiny_model_dir, "other": teacher})
+    results = run_distributed(_worker, 2, tiny_model_dir, {"self": (tiny_model_dir, False), "other": (teacher, False),
+                                                           "offloaded": (teacher, True)})
     samples = fixed_batch()[0]
     s_rows, t_rows = _plain_logprobs(tiny_model_dir, samples), _plain_logprobs(teacher, samples)
     for rank, per in enumerate(results):
@@ -165,3 +168,5 @@ def test_teacher_advantages_on_two_ranks_match_a_plain_forward(tiny_model_dir, t
             torch.testing.assert_close(adv[i, :n], expect, rtol=1e-5, atol=1e-5)
             assert torch.equal(adv[i, n:], torch.zeros_like(adv[i, n:]))
         assert sums[0] == pytest.approx(-float(adv.sum()), rel=1e-5) and grad_norm > 0
+        # the teacher's shards in host memory between uses: the same advantages, bit for bit
+        assert torch.equal(per["offloaded"][0], adv) and per["offloaded"][3] == grad_norm

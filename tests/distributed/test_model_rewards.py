@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 
 from config_helpers import fp32_config
 from dist_helpers import gathered, run_distributed
-from scorer_helpers import build_reward_model
+from scorer_helpers import build_reward_model, offloaded_shards
 from distflow.config import ConfigError, DistflowConfig
 from distflow.distributed.layout import ParallelLayout
 from distflow.sample import Sample
@@ -46,23 +46,24 @@ def _items_and_samples(tokenizer):
     return items, samples
 
 
-def _cfg(reward_model_dir, judge_dir, shard_ranks, max_tokens=4096):
+def _cfg(reward_model_dir, judge_dir, shard_ranks, max_tokens=4096, offload=False):
     cfg = fp32_config()
     cfg.model.shard_ranks = shard_ranks
     cfg.task.reward_models = [{"path": reward_model_dir, "weight": 0.5, "max_tokens": max_tokens,
-                               "batch_tokens": 96}]  # small passes: several per rank, unequal counts
+                               "batch_tokens": 96, "offload": offload}]  # small passes: several per rank
     cfg.task.judges = [{"path": judge_dir, "template": TEMPLATE, "yes": "Y", "no": "N", "weight": 2.0,
-                        "name": "grader", "max_tokens": max_tokens, "batch_tokens": 96}]
+                        "name": "grader", "max_tokens": max_tokens, "batch_tokens": 96, "offload": offload}]
     return cfg
 
 
 def _worker(rank, world, reward_model_dir, judge_dir, settings):
-    """Per (shard_ranks, max_tokens): rank r scores groups r, r + world, ... (with 5 groups on 2
-    ranks, rank 1 has fewer), and a rank with nothing at all keeps step too."""
+    """Per (shard_ranks, max_tokens, offload): rank r scores groups r, r + world, ... (with 5 groups on
+    2 ranks, rank 1 has fewer), and a rank with nothing at all keeps step too."""
     out = []
-    for shard_ranks, max_tokens in settings:
-        cfg = _cfg(reward_model_dir, judge_dir, shard_ranks, max_tokens)
+    for shard_ranks, max_tokens, offload in settings:
+        cfg = _cfg(reward_model_dir, judge_dir, shard_ranks, max_tokens, offload)
         scorer = ModelRewards(cfg, ParallelLayout.current(cfg.model))
+        assert [offloaded_shards(model.net.model) for _, model in scorer.models] == [offload, offload]
         tokenizer = AutoTokenizer.from_pretrained(judge_dir)
         items, samples = _items_and_samples(tokenizer)
         mine = list(range(rank, len(items), world))
@@ -96,11 +97,12 @@ def _plain_scores(reward_model_dir, judge_dir, max_tokens=4096):
     return torch.tensor(rm_scores), torch.tensor(judge_scores)
 
 
-@pytest.mark.parametrize("world, settings", [(1, [(None, 4096)]), (2, [(-1, 4096), (1, 40)])])
+@pytest.mark.parametrize("world, settings", [(1, [(None, 4096, False)]), (2, [(-1, 4096, True), (1, 40, False)])])
 def test_scores_equal_a_plain_forward_of_each_sequence(tiny_model_dir, reward_model_dir, world, settings):
-    """1 rank; 2 ranks fully sharded; 2 ranks replicated with every sequence cut to its last 40 tokens."""
+    """1 rank; 2 ranks fully sharded with the shards offloaded to host memory between passes; 2
+    ranks replicated with every sequence cut to its last 40 tokens."""
     runs = run_distributed(_worker, world, reward_model_dir, tiny_model_dir, settings)
-    for (_, max_tokens), results in zip(settings, runs):
+    for (_, max_tokens, _), results in zip(settings, runs):
         _check_scores(results, *_plain_scores(reward_model_dir, tiny_model_dir, max_tokens), max_tokens)
 
 
@@ -158,6 +160,7 @@ def test_judge_words_must_be_single_distinct_tokens(tiny_model_dir):
     ({"reward_models": [{"path": "/tmp/no/such/rm"}]}, r"task.reward_models\[0\].path '/tmp/no/such/rm' is not a folder"),
     ({"reward_models": [{"path": "/tmp"}, {"path": "/tmp", "weight": 2}]}, "also named 'tmp'"),
     ({"reward_models": [{"path": "/tmp", "weight": float("nan")}]}, "weight must be a finite number"),
+    ({"reward_models": [{"path": "/tmp", "offload": "yes"}]}, r"reward_models\[0\].offload must be true or false"),
 ])
 def test_bad_entries_are_one_line(task, words):
     with pytest.raises(ConfigError, match=words) as e:

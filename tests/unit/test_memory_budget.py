@@ -52,6 +52,12 @@ def test_the_documented_32b_layout_fits_and_its_terms_are_the_documented_ones(qw
     with pytest.raises(ConfigError, match=r"^the generate phase needs .*\(judge grader 61\.\d"):
         check(estimate(_cfg(gpu_memory_utilization=0.3), small, None, H100, 1, 1, 2,
                        others={"judge grader": qwen_32b}), H100)
+    # offloaded to host memory, the same judge costs the device two gathered blocks, and fits
+    offloaded = estimate(_cfg(gpu_memory_utilization=0.3), small, None, H100, 1, 1, 2,
+                         others={"judge grader": qwen_32b}, offloaded={"judge grader"})
+    check(offloaded, H100)
+    assert offloaded["update"]["judge grader (offloaded)"] == 2 * 2 * qwen_32b.parameters / qwen_32b.layers
+    assert "judge grader" not in offloaded["update"]
 
 
 def test_without_checkpointing_the_update_is_refused_naming_the_knob(qwen_32b):

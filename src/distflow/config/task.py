@@ -27,6 +27,7 @@ class RewardModelSpec:
     dtype: Optional[str] = None  # its compute dtype; null: model.dtype
     max_tokens: int = 4096  # longer conversations keep their last max_tokens tokens
     batch_tokens: int = 16384  # padded tokens per forward pass (a longer sequence gets one of its own)
+    offload: bool = False  # its shards in host memory between uses, copied in block by block (teacher.offload)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,7 @@ class JudgeSpec:
     dtype: Optional[str] = None
     max_tokens: int = 4096
     batch_tokens: int = 16384
+    offload: bool = False
 
 
 def _specs(cls, entries: list, key: str) -> list:
@@ -64,6 +66,8 @@ def _specs(cls, entries: list, key: str) -> list:
         if spec.max_tokens < 1 or spec.batch_tokens < 1:
             raise ConfigError(f"{where}: max_tokens and batch_tokens must be >= 1, got {spec.max_tokens}, "
                               f"{spec.batch_tokens}")
+        if not isinstance(spec.offload, bool):
+            raise ConfigError(f"{where}.offload must be true or false, got {spec.offload!r}")
         if spec.dtype not in (None, "float32", "bfloat16"):
             raise ConfigError(f"{where}.dtype must be float32, bfloat16 or null (model.dtype), got {spec.dtype!r}")
         if spec.name in names:

@@ -15,6 +15,9 @@ class TeacherConfig:
 
     path: str = knob("", "The teacher's model folder or hub name; it must share model.path's tokenizer (refused at "
                      "start-up when it does not). Empty: no teacher.")
+    offload: bool = knob(False, "Keep the teacher's shards in host memory (pinned on CUDA) between its forwards; "
+                                "each block is copied in just before use (FSDP2's CPU offload). Slower, and "
+                                "off the device's memory estimate but for two gathered blocks.")
 
     def checks(self) -> list[tuple[bool, str]]:
         return model_path_checks(self.path, "teacher.path") if self.path else []

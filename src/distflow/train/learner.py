@@ -74,7 +74,8 @@ class Learner:
         self.teacher = None
         if a.needs_teacher:
             with phase("startup:teacher"):
-                self.teacher = Policy(teacher_path or cfg.teacher.path, cfg.model, cfg.optim, layout, trainable=False)
+                self.teacher = Policy(teacher_path or cfg.teacher.path, cfg.model, cfg.optim, layout, trainable=False,
+                                      offload=cfg.teacher.offload)
         self.estimator = ADVANTAGE_ESTIMATORS[a.advantage]
 
     def batch(self, samples: list[Sample], current_version: int) -> UpdateBatch:

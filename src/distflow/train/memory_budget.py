@@ -9,7 +9,8 @@ The estimate is arithmetic from the parameter count and the model's shapes (docs
             rollout.kv_cache_gib when that is set), beside everything that stays between steps:
             float32 master weights (4 B per parameter / shard ranks), AdamW's two moments (8 B),
             the frozen KL reference and any other frozen model (a distillation teacher, reward
-            models, judges; in the compute dtype), the critic, one resync bucket, and
+            models, judges; in the compute dtype, or two gathered blocks of one that is offloaded
+            to host memory), the critic, one resync bucket, and
             the CUDA context and NCCL's buffers;
   update    the same without the engine when it sleeps (rollout.sleep_during_update), plus the
             float32 gradients, the gathered blocks and one micro-batch's activations and logits.
@@ -22,6 +23,7 @@ run.memory_check=false to train past a refusal this estimate got wrong.
 from __future__ import annotations
 
 import dataclasses
+from typing import Collection
 
 from distflow.config import ConfigError, DistflowConfig
 
@@ -48,10 +50,12 @@ class ModelShape:
 
 def estimate(cfg: DistflowConfig, policy: ModelShape, critic: ModelShape | None, device_bytes: int,
              shard: int, engine_tp: int, compute_bytes: int,
-             others: dict[str, ModelShape] | None = None) -> dict[str, dict[str, float]]:
+             others: dict[str, ModelShape] | None = None,
+             offloaded: Collection[str] = ()) -> dict[str, dict[str, float]]:
     """Bytes per rank by item, for the generate and the update phase. `others`: the models besides the
     policy, reference and critic (a distillation teacher, reward models, judges) by name, each held in
-    the compute dtype between steps."""
+    the compute dtype between steps, or, named in `offloaded`, in host memory but for the two gathered
+    blocks (one running, one prefetched) its forward puts on the device."""
     m, o, r = cfg.model, cfg.optim, cfg.rollout
     trainable = 0 if m.lora.enabled else policy.parameters  # LoRA: adapters only, a rounding error here
     frozen = policy.parameters if m.lora.enabled else 0  # the LoRA base, in the compute dtype
@@ -65,7 +69,10 @@ def estimate(cfg: DistflowConfig, policy: ModelShape, critic: ModelShape | None,
     if critic is not None:
         always["critic weights and AdamW state"] = 12 * critic.parameters / shard
     for name, shape in (others or {}).items():
-        always[name] = compute_bytes * shape.parameters / shard
+        if name in offloaded:
+            always[f"{name} (offloaded)"] = 2 * compute_bytes * shape.parameters / max(shape.layers, 1)
+        else:
+            always[name] = compute_bytes * shape.parameters / shard
     if r.kv_cache_gib is None:
         engine = r.gpu_memory_utilization * device_bytes
     else:
@@ -116,7 +123,8 @@ def model_shape(config, trust_remote_code: bool = False) -> ModelShape:
 def check_memory_budget(cfg: DistflowConfig, model_path: str, layout, critic_path: str | None = None,
                         device_bytes: int | None = None, policy_shape: ModelShape | None = None,
                         critic_shape: ModelShape | None = None,
-                        others: dict[str, ModelShape] | None = None) -> dict[str, dict[str, float]] | None:
+                        others: dict[str, ModelShape] | None = None,
+                        offloaded: Collection[str] = ()) -> dict[str, dict[str, float]] | None:
     """The estimate for this run on the layout's device (CUDA; `device_bytes` defaults to its total
     memory), refused with one line when it does not fit; None on CPU or with run.memory_check=false.
     Reads the configs and builds meta skeletons only, unless the shapes are given (the start-up plan
@@ -138,6 +146,6 @@ def check_memory_budget(cfg: DistflowConfig, model_path: str, layout, critic_pat
     if critic_path and cfg.has_critic:
         critic = critic_shape or shape(critic_path)
     phases = estimate(cfg, policy_shape or shape(model_path), critic, total, layout.shard, layout.engine_tp, compute,
-                      others)
+                      others, offloaded)
     check(phases, total)
     return phases

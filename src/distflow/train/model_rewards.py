@@ -96,7 +96,7 @@ class ScoringModel:
         own = dataclasses.replace(model_cfg, dtype=spec.dtype or model_cfg.dtype, logprob_chunk_tokens=0,
                                   activation_checkpointing=False)
         self.net = ShardedModel(model, own, dataclasses.replace(optim, shared_prefix="off"), layout,
-                                trainable=False, load_full=load)
+                                trainable=False, load_full=load, offload=spec.offload)
         self.templated = bool(getattr(self.tokenizer, "chat_template", None))
 
     def encode(self, text: str) -> tuple[list[int], bool]:

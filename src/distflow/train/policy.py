@@ -14,7 +14,7 @@ import math
 from typing import Callable
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -60,11 +60,16 @@ class ShardedModel:
     and linear-warm-up LR schedule. trainable=False freezes it and builds no optimizer.
 
     `model` is either the loaded model or a meta-device skeleton (distflow.train.model_init); a skeleton
-    is allocated after sharding and filled with `load_full()`, which only global rank 0 calls."""
+    is allocated after sharding and filled with `load_full()`, which only global rank 0 calls.
+
+    offload=True (frozen models only) keeps the shards in host memory (pinned on CUDA) between uses:
+    FSDP2's CPUOffloadPolicy copies a block's shard to the device just before gathering it, so the
+    device holds about two gathered blocks of the model while it runs, and none of it otherwise."""
 
     def __init__(self, model: torch.nn.Module, model_cfg: ModelConfig, optim: OptimConfig, layout: ParallelLayout,
                  trainable: bool = True, lr: float | None = None, warmup_steps: int | None = None,
-                 load_full: Callable[[], torch.nn.Module] | None = None):
+                 load_full: Callable[[], torch.nn.Module] | None = None, offload: bool = False):
+        assert not (offload and trainable), "only a frozen model is offloaded (its optimizer would stay behind)"
         self.device = device = layout.device
         # concrete values only: the start-up plan resolved every "auto" (refused here, before any mesh)
         compute = compute_dtype(model_cfg.dtype)
@@ -93,10 +98,16 @@ class ShardedModel:
             for p in model.parameters():
                 if not (trainable and p.requires_grad):
                     p.data = p.data.to(compute)
+        # pinned host memory makes the copies asynchronous; there is none to pin without CUDA
+        placement = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
+        self.offloaded = offload
         for block in blocks:
-            fully_shard(block, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
-        self.model = materialize(model, device, load_full) if is_meta(model) else model.to(device)
+            fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=placement)
+        fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=placement)
+        if is_meta(model):  # (offloaded shards move to pinned host memory at the first forward)
+            self.model = materialize(model, device, load_full)
+        else:  # fully_shard put the buffers on the device, and offloaded shards in host memory
+            self.model = model if offload else model.to(device)
         self.model.train()
         self.reducer: ReplicaGradReducer | None = None
         if not trainable:
@@ -186,7 +197,7 @@ class Policy(ShardedModel):
     model.lora the model carries adapters (distflow.train.lora), and `base()` is its reference."""
 
     def __init__(self, model_path: str, model_cfg: ModelConfig, optim: OptimConfig, layout: ParallelLayout,
-                 trainable: bool = True):
+                 trainable: bool = True, offload: bool = False):
         # fp32 master weights always; bf16/fp16 only as FSDP's compute dtype.
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=model_cfg.trust_remote_code)
         self.router_aux_loss_coef = aux_loss_coef(config, model_cfg.router_aux_loss_coef)  # refused before loading
@@ -200,7 +211,7 @@ class Policy(ShardedModel):
             else:
                 add_adapters(model, config)
             load = (lambda full=load: add_adapters(full(), config))
-        super().__init__(model, model_cfg, optim, layout, trainable, load_full=load)
+        super().__init__(model, model_cfg, optim, layout, trainable, load_full=load, offload=offload)
         self.experts = experts_of(self.model.config)  # (experts, top-k) of a mixture-of-experts model
         self.router: RouterStats | None = None  # the last forward's (distflow.train.router)
 
