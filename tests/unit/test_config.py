@@ -148,7 +148,8 @@ def test_old_spellings_compose_the_same_config_and_name_the_new_keys():
 
 NEWER_OPERATIONAL = {"logging.progress_every_s", "run.allow_engine_mismatch", "run.memory_check",
                      "logging.sync_timing", "optim.shared_prefix",
-                     "validation.save_samples"}  # operational keys added since that list
+                     "validation.save_samples", "agent.host", "agent.port",
+                     "agent.served_model_name"}  # operational keys added since that list
 
 
 def test_operational_keys_are_the_ones_resume_always_allowed():

@@ -8,6 +8,7 @@ config.logging); fields.py declares and walks them, schema.py puts them together
 docs/configuration.md is generated from here (`python -m distflow config-docs`).
 """
 
+from distflow.config.agent import AgentConfig
 from distflow.config.algorithm import CRITIC_ESTIMATORS, AlgorithmConfig
 from distflow.config.aliases import rename_overrides
 from distflow.config.checkpoint import CheckpointConfig
@@ -27,7 +28,7 @@ from distflow.config.teacher import TeacherConfig
 from distflow.config.validation import ValidationConfig
 
 __all__ = [
-    "BUILTIN_MODELS", "CRITIC_ESTIMATORS", "MAX_ENGINE_LORA_RANK", "OPERATIONAL", "AlgorithmConfig", "CheckpointConfig",
+    "BUILTIN_MODELS", "CRITIC_ESTIMATORS", "MAX_ENGINE_LORA_RANK", "OPERATIONAL", "AgentConfig", "AlgorithmConfig", "CheckpointConfig",
     "ConfigError", "CriticConfig", "DataConfig", "DistflowConfig", "LoggingConfig", "LoraConfig", "ModelConfig",
     "OptimConfig", "PipelineConfig", "RolloutConfig", "RolloutCorrectionConfig", "RunConfig", "TaskConfig", "TeacherConfig", "ValidationConfig", "config_differences",
     "config_record", "hydra_schema", "rename_overrides",

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
+from distflow.config.agent import AgentConfig
 from distflow.config.algorithm import AlgorithmConfig
 from distflow.config.checkpoint import CheckpointConfig
 from distflow.config.critic import CriticConfig
@@ -49,6 +50,7 @@ class DistflowConfig:
     data: DataConfig = knob(factory=DataConfig)
     pipeline: PipelineConfig = knob(factory=PipelineConfig)
     task: TaskConfig = knob(factory=TaskConfig)
+    agent: AgentConfig = knob(factory=AgentConfig)
     run: RunConfig = knob(factory=RunConfig)
     checkpoint: CheckpointConfig = knob(factory=CheckpointConfig)
     validation: ValidationConfig = knob(factory=ValidationConfig)
@@ -80,8 +82,14 @@ def _across_sections(cfg: DistflowConfig) -> list[tuple[bool, str]]:
     r, a, lora, budget = cfg.rollout, cfg.algorithm, cfg.model.lora, cfg.rollout.response_budget()
     seqs = cfg.data.prompts_per_rank * a.group_size
     return [
-        (r.max_turns == 1 or bool(cfg.task.env),
-         f"rollout.max_turns={r.max_turns} needs an environment to answer the turns: set task.env"),
+        (r.max_turns == 1 or bool(cfg.task.env or cfg.task.agent),
+         f"rollout.max_turns={r.max_turns} needs an environment to answer the turns: set task.env (or task.agent)"),
+        (not (cfg.task.agent and cfg.task.env),
+         "task.agent and task.env are two ways to run episodes: set one (a harness can call its own tools)"),
+        (not cfg.task.agent or cfg.pipeline.mode == "sync",
+         "task.agent runs with pipeline.mode=sync (harness episodes are not carried over yet)"),
+        (not cfg.task.agent or r.tensor_parallel_size == 1,
+         "task.agent needs rollout.tensor_parallel_size=1 (each rank's endpoint feeds its own engine)"),
         (a.overlong_buffer_len < budget,
          f"algorithm.overlong_buffer_len={a.overlong_buffer_len} must be < the response length limit {budget} "
          "(rollout.max_new_tokens; multi-turn: rollout.max_total_tokens)"),

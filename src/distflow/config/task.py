@@ -119,6 +119,10 @@ class TaskConfig:
         "distflow.tasks.envs.ToolEnv) or package.module:Class; empty: single-turn generation. Its steps run in the reward "
         "pool's workers, under reward_timeout_s per step.")
     env_args: Dict[str, Any] = knob(factory=dict, doc="Keyword arguments of the environment's class.")
+    agent: str = knob(
+        "", "A harness for agent episodes (distflow.agents): package.module:function, called (async or not) once "
+        "per episode with an AgentContext; it talks to the policy through the rank's OpenAI-compatible endpoint "
+        "(agent.*), which records the exact tokens. Empty: no harness.")
     gym_dataset: str = knob("basic_arithmetic", "name=reasoning_gym: the dataset's name.")
     gym_config: Dict[str, Any] = knob(factory=dict, doc="name=reasoning_gym: the dataset's config.")
     size: int = knob(1000, "name=reasoning_gym: training items.")

@@ -19,7 +19,7 @@ from distflow.algorithms.correction_metrics import RHO_MAX, correction_metrics
 from distflow.algorithms.mismatch import EDGES, percentile
 from distflow.config import DistflowConfig
 from distflow.distributed import rank_and_world
-from distflow.rollout.episodes import episode_sums
+from distflow.rollout.episodes import AGENT_COUNTS, episode_sums
 from distflow.rollout.groups import Rollouts
 from distflow.rollout.schedule import staleness
 from distflow.rollout.scoring import REWARD_FAILURES
@@ -67,7 +67,7 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
         "mismatch/tokens": s.mismatch.tokens, **{f"mismatch/hist{k}": c for k, c in enumerate(s.mismatch.hist)},
         **{f"rollout_corr/v{k}": v for k, v in enumerate(s.correction.values) if k != RHO_MAX},
     }
-    if cfg.task.env:
+    if cfg.task.env or cfg.task.agent:
         sums.update(episode_sums(samples))
     # distillation's sums (every rank has them; the max entry joins the maxima)
     teacher = (upd.distill or distill.no_sums()) if a.needs_teacher else []
@@ -144,6 +144,9 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
         out.update({"turns/mean": g["turns"] / n, "response_length/generated_mean": g["generated"] / n,
                     "tool/calls": g["tool_calls"], "tool/errors": g["tool_errors"],
                     "tool/timeouts": g["tool_timeouts"]})
+    if cfg.task.agent:  # per episode, summed over ranks
+        out.update({"turns/mean": g["turns"] / n, "response_length/generated_mean": g["generated"] / n,
+                    **{f"agent/{k}": g[k] for k in AGENT_COUNTS}, "agent/requests_mean": g["requests"] / n})
     if cfg.run.balance_lengths:
         out.update({f"balance/{k}": v for k, v in stats.balance.items()})
     if carryover:  # token-weighted over the trained groups' generated tokens, as verl's staleness keys

@@ -20,6 +20,7 @@ from typing import Iterable
 
 import torch
 
+from distflow.agents.episodes import AgentRunner
 from distflow.algorithms import dynamic_sampling_keep
 from distflow.config import DistflowConfig
 from distflow.distributed import DistInfo, all_reduce
@@ -51,10 +52,14 @@ class Rollout:
         self.scoring_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distflow-scoring")
         with timer.phase("startup:engine"):  # most of the start-up's memory and time
             self.engine = build_engine(model_path, cfg.model, cfg.rollout, dist.device, r.seed, engine_group)
-        # single-turn generation, or multi-turn episodes with the task's environment
-        self.runner = EpisodeRunner(self.engine, self.task.workers, self.tokenizer, cfg.rollout,
-                                    lockstep=cfg.rollout.tensor_parallel_size > 1) \
-            if self.task.multi_turn else SingleTurn(self.engine)
+        # single-turn generation, multi-turn episodes with the task's environment, or a harness's
+        if cfg.task.agent:
+            self.runner = AgentRunner(self.engine, tokenizer, cfg, dist.local_rank)
+        elif self.task.multi_turn:
+            self.runner = EpisodeRunner(self.engine, self.task.workers, self.tokenizer, cfg.rollout,
+                                        lockstep=cfg.rollout.tensor_parallel_size > 1)
+        else:
+            self.runner = SingleTurn(self.engine)
         self.carry = CarryBuffer(dist.rank, dist.world_size)  # checkpoint state in carry-over mode
         self.source = SyncSource(self.runner, r.seed, cfg.algorithm.group_size)
         if cfg.pipeline.mode == "carryover":
@@ -146,4 +151,6 @@ class Rollout:
 
     def close(self) -> None:
         self.scoring_thread.shutdown(wait=True)
+        if isinstance(self.runner, AgentRunner):
+            self.runner.close()
         self.engine.shutdown()

@@ -208,10 +208,14 @@ class EpisodeRunner:
         return True
 
 
+AGENT_COUNTS = ("requests", "restarts", "branches", "cut", "failed")  # a harness episode's (distflow.agents)
+
+
 def episode_sums(samples: list[Sample]) -> dict[str, float]:
     """This rank's multi-turn sums: model turns, generated tokens (observations excluded), tool
-    calls, errors and timeouts."""
+    calls, errors and timeouts, and a harness episode's counts."""
     eps = [x.episode for x in samples if x.episode is not None]
     return {"turns": float(sum(e.turns for e in eps)), "generated": float(sum(x.generated for x in samples)),
             "tool_calls": float(sum(e.tool_calls for e in eps)), "tool_errors": float(sum(e.tool_errors for e in eps)),
-            "tool_timeouts": float(sum(e.tool_timeouts for e in eps))}
+            "tool_timeouts": float(sum(e.tool_timeouts for e in eps)),
+            **{k: float(sum(getattr(e, k) for e in eps)) for k in AGENT_COUNTS}}

@@ -141,10 +141,11 @@ class PromptEncoder:
         self.ids = {text: i for i, text in self.specials.items()}
         self.pattern = re.compile("|".join(map(re.escape, texts))) if texts else None
 
-    def __call__(self, messages: list[dict]) -> tuple[list[int], str]:
-        """(token ids, rendered text) of `messages` with the generation prompt."""
+    def __call__(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], str]:
+        """(token ids, rendered text) of `messages` with the generation prompt (and the `tools` offered,
+        in the template's own way of listing them)."""
         if self.pattern is None or not any(self.pattern.search(m["content"]) for m in messages):
-            text = _render(self.tokenizer, messages)
+            text = _render(self.tokenizer, messages, tools)
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]), text
         used = "".join(m["content"] for m in messages) + str(getattr(self.tokenizer, "chat_template", ""))
         mark = next(chr(c) for c in range(0xE000, 0xF900) if chr(c) not in used)  # private use: not in this text
@@ -154,7 +155,8 @@ class PromptEncoder:
             held.append(m.group())
             return f"{mark}{len(held) - 1}{mark}"
 
-        shown = _render(self.tokenizer, [{**m, "content": self.pattern.sub(hold, m["content"])} for m in messages])
+        shown = _render(self.tokenizer, [{**m, "content": self.pattern.sub(hold, m["content"])} for m in messages],
+                        tools)
         held_back = re.compile(f"{mark}(\\d+){mark}")
 
         def restore(part: str) -> str:
@@ -197,11 +199,11 @@ class PromptEncoder:
         return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
 
-def _render(tokenizer, messages: list[dict]) -> str:
+def _render(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
     """The chat template applied to a prompt, as text; a template that refuses it (Gemma's refuses a
     system turn, some refuse roles out of order) is a one-line ConfigError naming the role and the model."""
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # noqa: BLE001 - jinja raises its own types (TemplateError from raise_exception)
         model = getattr(tokenizer, "name_or_path", "") or "the model"
         reason = " ".join(str(e).split())[:200] or type(e).__name__
