@@ -45,7 +45,7 @@ class EpisodeInfo:
     tool_calls: int = 0
     tool_errors: int = 0  # malformed calls, unknown tools, failed tools, failed environment steps
     tool_timeouts: int = 0
-    # a harness episode's (distflow.agents): engine requests, requests that started a new trajectory
+    # a harness episode's (distflow.rollout.agents): engine requests, requests that started a new trajectory
     # after the first, branches (a retried turn, n > 1), and whether it was cut or its harness failed
     requests: int = 0
     restarts: int = 0

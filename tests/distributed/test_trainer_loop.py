@@ -7,6 +7,7 @@ trainer's start-up (a second or two), not a torchrun launch. The cases:
 - packed rows sharing each group's prompt take the same first step as padded rows;
 - KL, entropy, truncated IS and dual-clip together; DAPO's dynamic sampling with a rank that keeps
   nothing, and with every group filtered out;
+- a harness's episodes through each rank's OpenAI-compatible endpoint train and resume exactly;
 - carry-over at eta = 0 is the sync run bit for bit (metrics and final weights; also with dynamic
   sampling and with multi-turn episodes); at eta = 1 it keeps its bound, and a run stopped with
   groups (or episodes) carried and continued equals one run straight through;
@@ -85,6 +86,9 @@ def cases(tmp: Path) -> list[tuple[str, str, list[str], dict]]:
     tools = ["task.env=envs_for_tests:ScriptedToolEnv", "+task.env_args={tools: [calculator]}", "rollout.max_turns=2",
              "rollout.max_total_tokens=64", "rollout.max_prompt_tokens=352", "run.steps=3"]
     odd = ["pipeline=carryover", "task.env=envs_for_tests:OddToolEnv"]  # one or two turns: steps stop between them
+    # a harness of two chat requests per episode against each rank's endpoint (tests/support/agents_for_tests.py)
+    agent = ["task.agent=agents_for_tests:two_turns", "rollout.max_turns=2", "rollout.max_total_tokens=64",
+             "rollout.max_prompt_tokens=352"]
     # distillation from the model sync_ref exported (4 steps from the student), with half the task reward,
     # which a reward model and an LLM judge (the tiny model itself) add to
     distill = ["algorithm=distill", f"teacher.path={tmp}/sync_ref/hf_model", "algorithm.distill_reward_weight=0.5",
@@ -118,6 +122,9 @@ def cases(tmp: Path) -> list[tuple[str, str, list[str], dict]]:
         ("tools_carry_straight", "tools_carry_straight", [*tools, *odd, "run.steps=4"], {}),
         ("tools_carry_first_half", "tools_carry_split", [*tools, *odd, "run.steps=2", "checkpoint.every=2"], {}),
         ("tools_carry_continued", "tools_carry_split", [*tools, *odd, "run.steps=4", "checkpoint.resume=force"], {}),
+        ("agent_straight", "agent_straight", [*agent, "run.steps=2"], {}),
+        ("agent_first_half", "agent_split", [*agent, "run.steps=1", "checkpoint.every=1"], {}),
+        ("agent_continued", "agent_split", [*agent, "run.steps=2", "checkpoint.resume=force"], {}),
         ("ppo_straight", "ppo_straight", [*ppo, "run.steps=4"], {}),
         ("ppo_first_half", "ppo_split", [*ppo, "run.steps=2"], {}),
         ("ppo_continued", "ppo_split", [*ppo, "run.steps=4", "checkpoint.resume=force"], {}),
@@ -290,6 +297,20 @@ def test_models_in_the_loop_train_and_resume_exactly(runs):
     refused = runs["distill_other_teacher"]
     assert refused["outcome"] == "refused" and "teacher.path: " in refused["message"], refused
     assert [stable_metrics(r) for r in straight] == [stable_metrics(r) for r in _trained(runs, "distill_continued", steps=2)]
+
+
+def test_harness_episodes_train_and_resume_exactly(runs):
+    """A harness's episodes through each rank's endpoint: two requests each, every one continuing
+    its trajectory (no restart), the probe exact after each resync; a run stopped after step 1 and
+    continued equals one run straight through (agent.wait=wave: the engine's batches, hence its
+    logprobs, do not depend on when the harnesses' requests arrived)."""
+    straight = _trained(runs, "agent_straight", steps=2)
+    for r in straight:
+        assert r["agent/requests_mean"] == 2 and r["turns/mean"] == 2, r
+        assert r["agent/restarts"] == r["agent/cut"] == r["agent/failed"] == r["agent/branches"] == 0, r
+        assert r["sync/max_abs_logprob_diff"] <= 1e-5 and r["grad_norm"] > 0, r
+    _trained(runs, "agent_first_half", steps=1)
+    assert [stable_metrics(r) for r in straight] == [stable_metrics(r) for r in _trained(runs, "agent_continued", steps=2)]
 
 
 def test_kl_entropy_tis_and_dual_clip_metrics(runs):

@@ -1,7 +1,9 @@
 """The agent section: the OpenAI-compatible endpoint every rank serves while its harness episodes
-run (task.agent names the harness; distflow.agents)."""
+run (task.agent names the harness; distflow.rollout.agents)."""
 
 from __future__ import annotations
+
+from typing import Literal
 
 from distflow.config.fields import knob, section
 
@@ -20,7 +22,14 @@ class AgentConfig:
                      operational=True)
     served_model_name: str = knob("policy", "The model name the endpoint answers to (GET /v1/models lists it); a "
                                             "request naming another is refused (404).", operational=True)
-    episode_timeout_s: float = knob(300.0, "Wall-clock limit per episode: one still running is cut, its "
+    wait: Literal["wave", "free"] = knob(
+        "wave", "wave: the engine steps only while every running episode waits on it (a request out), and the "
+                "requests that arrived meanwhile join together in episode order, so the engine's batches, hence its "
+                "logprobs to the last bit, do not depend on thread timing (reproducible and resumable bit for bit; a "
+                "harness busy with its own work holds the engine meanwhile). free: every request joins the engine "
+                "as it arrives (no waiting; batches, so logprobs at float rounding, vary run to run).")
+    episode_timeout_s: float = knob(300.0, "A harness's own time per episode (running with no request out; time "
+                                           "waiting for the engine is not counted): past it the episode is cut, its "
                                            "trajectory kept as a truncated sample and counted (agent/cut).")
 
     def checks(self) -> list[tuple[bool, str]]:

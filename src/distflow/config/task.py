@@ -120,7 +120,7 @@ class TaskConfig:
         "pool's workers, under reward_timeout_s per step.")
     env_args: Dict[str, Any] = knob(factory=dict, doc="Keyword arguments of the environment's class.")
     agent: str = knob(
-        "", "A harness for agent episodes (distflow.agents): package.module:function, called (async or not) once "
+        "", "A harness for agent episodes (distflow.rollout.agents): package.module:function, called (async or not) once "
         "per episode with an AgentContext; it talks to the policy through the rank's OpenAI-compatible endpoint "
         "(agent.*), which records the exact tokens. Empty: no harness.")
     gym_dataset: str = knob("basic_arithmetic", "name=reasoning_gym: the dataset's name.")

@@ -20,7 +20,6 @@ from typing import Iterable
 
 import torch
 
-from distflow.agents.episodes import AgentRunner
 from distflow.algorithms import dynamic_sampling_keep
 from distflow.config import DistflowConfig
 from distflow.distributed import DistInfo, all_reduce
@@ -54,6 +53,8 @@ class Rollout:
             self.engine = build_engine(model_path, cfg.model, cfg.rollout, dist.device, r.seed, engine_group)
         # single-turn generation, multi-turn episodes with the task's environment, or a harness's
         if cfg.task.agent:
+            from distflow.rollout.agents.episodes import AgentRunner  # (FastAPI and uvicorn load only here)
+
             self.runner = AgentRunner(self.engine, tokenizer, cfg, dist.local_rank)
         elif self.task.multi_turn:
             self.runner = EpisodeRunner(self.engine, self.task.workers, self.tokenizer, cfg.rollout,
@@ -151,6 +152,6 @@ class Rollout:
 
     def close(self) -> None:
         self.scoring_thread.shutdown(wait=True)
-        if isinstance(self.runner, AgentRunner):
+        if hasattr(self.runner, "close"):  # an agent runner's endpoint and harness loop
             self.runner.close()
         self.engine.shutdown()

@@ -8,7 +8,7 @@ An episode's base URL names it, so requests are attributed to their episode with
 saying so, and the bearer key is the run's. Errors are OpenAI's shape ({"error": {message, type,
 code}}) with its status codes, so the `openai` client raises its usual exceptions. The routes only
 parse and answer; what a request means (its tokens, the engine, the episode's limits) is the
-gateway's (distflow.agents.episodes.Gateway).
+gateway's (distflow.rollout.agents.episodes.Gateway).
 """
 
 from __future__ import annotations

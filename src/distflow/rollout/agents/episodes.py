@@ -6,16 +6,17 @@ requests are batched into the rank's step-wise engine.
 
 Three threads meet here. The harness's coroutines run on their own event loop (a harness written
 with blocking calls runs in that loop's thread pool); the endpoint's routes run on uvicorn's
-(distflow.agents.endpoint); the rank's main thread owns the engine. A request becomes a
+(distflow.rollout.agents.endpoint); the rank's main thread owns the engine. A request becomes a
 `Submission` on a queue; the main thread submits it to the engine, steps the engine while
 anything runs, and resolves each request's future when its samples finish, so the requests of
 all the rank's episodes batch together, as many as the harnesses keep open.
 
 An episode ends when its harness returns (a number is its reward, added to what the task's
 reward functions give the final answer, as an environment's step rewards are; None leaves the
-reward to them), raises (counted as failed), or runs past agent.episode_timeout_s (cut: its
-engine requests are aborted and its later ones refused). Every episode yields one training row:
-the trajectory of its last request (distflow.agents.trajectories), or an empty response when the
+reward to them), raises (counted as failed), or spends more than agent.episode_timeout_s of its
+own time, time with no request out (cut: its engine requests are aborted and its later ones
+refused; the time its requests wait for the engine is not its own). Every episode yields one training row:
+the trajectory of its last request (distflow.rollout.agents.trajectories), or an empty response when the
 harness never asked anything. Nothing an episode does stops the others.
 """
 
@@ -33,9 +34,9 @@ import threading
 import time
 from typing import Any, Callable
 
-from distflow.agents.endpoint import ApiError, Endpoint, build_app
-from distflow.agents.messages import BadRequest, assistant_turn, template_message, text_of
-from distflow.agents.trajectories import TrajectoryBook
+from distflow.rollout.agents.endpoint import ApiError, Endpoint, build_app
+from distflow.rollout.agents.messages import BadRequest, assistant_turn, template_message, text_of
+from distflow.rollout.agents.trajectories import TrajectoryBook
 from distflow.config import ConfigError, DistflowConfig
 from distflow.config.specs import resolve
 from distflow.rollout.base import Request
@@ -67,9 +68,10 @@ class AgentContext:
 @dataclasses.dataclass
 class _Episode:
     key: str
+    order: int  # its place in the round
     seed: int
     book: TrajectoryBook
-    deadline: float
+    busy_s: float = 0.0  # the harness's own time: running with no request out
     requests: int = 0
     closed: bool = False
     cut: bool = False
@@ -81,6 +83,7 @@ class _Episode:
 @dataclasses.dataclass
 class _Submission:
     episode: _Episode
+    number: int  # the episode's request count
     request: Request
     future: concurrent.futures.Future
 
@@ -210,7 +213,7 @@ class Gateway:
         request = Request(f"{episode.key}-{number}", list(prepared.context), n, derive_seed(episode.seed, number),
                           max_tokens=tokens, greedy=self.greedy)
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self.submissions.put(_Submission(episode, request, future))
+        self.submissions.put(_Submission(episode, number, request, future))
         samples = await asyncio.wrap_future(future)
         return samples, prepared, number
 
@@ -222,8 +225,9 @@ class Gateway:
                 out["logprobs"] = {"tokens": tokens, "token_logprobs": list(s.logprobs), "top_logprobs": None,
                                    "text_offset": None}
             else:
-                out["logprobs"] = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                                               for t, lp in zip(tokens, s.logprobs)], "refusal": None}
+                out["logprobs"] = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+                                                "top_logprobs": []} for t, lp in zip(tokens, s.logprobs)],
+                                   "refusal": None}
         else:
             out["logprobs"] = None
         return out
@@ -265,8 +269,7 @@ class AgentRunner:
         for i, item in enumerate(items):
             for j in range(n):
                 self.counter += 1
-                ep = _Episode(f"{self.counter}", derive_seed(seeds[i], j), g.book(),
-                              time.monotonic() + self.cfg.agent.episode_timeout_s)
+                ep = _Episode(f"{self.counter}", len(episodes), derive_seed(seeds[i], j), g.book())
                 with g.lock:
                     g.episodes[ep.key] = ep
                 ep.harness = asyncio.run_coroutine_threadsafe(self._call(self._context(ep, item, j)), self.loop)
@@ -281,24 +284,38 @@ class AgentRunner:
 
     # ------------------------------------------------------------------ the main thread's loop
     def _pump(self, episodes: list[_Episode]) -> None:
-        """Engine requests in, finished samples out, until every harness has returned or been cut."""
+        """Engine requests in, finished samples out, until every harness has returned or been cut.
+        With agent.wait=wave the engine steps only while every running episode has a request out;
+        the requests that arrived since the last step then join in (episode, request) order."""
         inflight: dict[str, _Submission] = {}
-        incoming = self.gateway.submissions
+        held: list[_Submission] = []
+        incoming, wave = self.gateway.submissions, self.cfg.agent.wait == "wave"
+        limit, last = self.cfg.agent.episode_timeout_s, time.monotonic()
         while True:
-            now = time.monotonic()
-            for ep in episodes:
-                if not ep.harness.done() and now > ep.deadline:
-                    self._cut(ep, inflight)
             while not incoming.empty():
-                self._take(incoming.get_nowait(), inflight)
-            if not inflight and incoming.empty() and all(ep.harness.done() for ep in episodes):
+                held.append(incoming.get_nowait())
+            out = {id(s.episode) for s in held} | {id(s.episode) for s in inflight.values()}
+            now = time.monotonic()
+            elapsed, last = now - last, now
+            for ep in episodes:  # charge each harness its own time; cut one past its limit
+                if not ep.harness.done() and id(ep) not in out:
+                    ep.busy_s += elapsed
+                    if ep.busy_s > limit:
+                        self._cut(ep, inflight)
+            live = [ep for ep in episodes if not ep.harness.done()]
+            release = not wave or all(id(ep) in out for ep in live)
+            if release and held:
+                for sub in sorted(held, key=lambda s: (s.episode.order, s.number)):
+                    self._take(sub, inflight)
+                held = []
+            if not inflight and not held and not live and incoming.empty():
                 return
-            if self.engine.pending():
+            if release and self.engine.pending():
                 for request_id, samples in self.engine.step():
                     inflight.pop(request_id).future.set_result(samples)
-            else:  # the harnesses are working (tools, their own logic): wait for a request or a deadline
+            else:  # a harness is working (tools, its own logic): wait for a request, a return or a deadline
                 try:
-                    self._take(incoming.get(timeout=0.01), inflight)
+                    held.append(incoming.get(timeout=0.005))
                 except queue.Empty:
                     pass
 
@@ -318,7 +335,7 @@ class AgentRunner:
             self.engine.abort(mine)
         for rid in mine:
             inflight.pop(rid).future.set_exception(
-                ApiError(408, f"the episode ran past agent.episode_timeout_s={self.cfg.agent.episode_timeout_s}",
+                ApiError(408, f"the harness ran past agent.episode_timeout_s={self.cfg.agent.episode_timeout_s}",
                          "episode_timeout"))
 
     # ------------------------------------------------------------------ the harness's side
@@ -328,9 +345,12 @@ class AgentRunner:
                             messages, item.answer, dict(item.fields), ep.seed, index)
 
     async def _call(self, ctx: AgentContext):
+        """The harness's result: a coroutine function awaited on the loop, any other function run in
+        the loop's thread pool (blocking clients welcome), and what it returns awaited if awaitable."""
         if inspect.iscoroutinefunction(self.harness):
             return await self.harness(ctx)
-        return await asyncio.get_running_loop().run_in_executor(None, self.harness, ctx)
+        result = await asyncio.get_running_loop().run_in_executor(None, self.harness, ctx)
+        return await result if inspect.isawaitable(result) else result
 
     def _sample(self, ep: _Episode, item: PromptItem) -> Sample:
         """The episode's training row, with how it went."""

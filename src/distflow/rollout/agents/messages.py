@@ -68,7 +68,8 @@ def template_message(message: Any, where: str) -> dict:
         for k, call in enumerate(calls):
             fn = call.get("function") if isinstance(call, dict) else None
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise BadRequest(f"{where}.tool_calls[{k}] must be {{'type': 'function', 'function': {{name, arguments}}}}")
+                raise BadRequest(f"{where}.tool_calls[{k}] must be "
+                                 "{'type': 'function', 'function': {name, arguments}}")
             out["tool_calls"].append({"id": call.get("id"), "type": "function",
                                       "function": {"name": fn["name"],
                                                    "arguments": _arguments(fn, f"{where}.tool_calls[{k}]")}})

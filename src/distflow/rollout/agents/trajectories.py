@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from distflow.agents.messages import BadRequest, turn_key
+from distflow.rollout.agents.messages import BadRequest, turn_key
 from distflow.sample import EpisodeInfo, Sample
 
 COMPLETION = "<completions>"  # the `tools` of a /v1/completions trajectory: chat requests never extend one
@@ -121,8 +121,8 @@ class TrajectoryBook:
         (its text, or its ids, followed by more), then the rest encoded; else the prompt alone."""
         mine = [t for t in self.trajectories if t.tools == COMPLETION]
         if isinstance(prompt, str):
-            base = max((t for t in mine if t.text is not None and len(prompt) > len(t.text) and prompt.startswith(t.text)),
-                       key=lambda t: len(t.text), default=None)
+            base = max((t for t in mine if t.text is not None and len(prompt) > len(t.text)
+                        and prompt.startswith(t.text)), key=lambda t: len(t.text), default=None)
             rest = prompt[len(base.text):] if base is not None else prompt
             ids = self.encode_text(rest, base is None)
         else:

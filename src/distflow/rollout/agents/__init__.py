@@ -1,0 +1,3 @@
+"""Agents on any harness: an OpenAI-compatible endpoint on every rank (endpoint) that records the
+exact tokens the engine sampled (trajectories, messages), and the harness episodes it serves
+(episodes)."""

@@ -1,0 +1,158 @@
+"""Harnesses for the agent tests, written only against the `openai` client as a user's would be.
+`dispatch` runs the one its task row names (fields["kind"]), so one batch of episodes covers them
+all; each records what the endpoint answered in RECORD[base_url], for the tests to check the
+trained tokens against."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+
+RECORD: dict[str, dict] = {}
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b",
+                                           "parameters": {"type": "object", "properties": {
+                                               "a": {"type": "number"}, "b": {"type": "number"}}}}}]
+ASK = {"max_tokens": 6, "logprobs": True, "extra_body": {"return_token_ids": True}}
+
+
+def _client(ctx, **kw):
+    return openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0, **kw)
+
+
+def _note(ctx, response, kind="chat"):
+    entry = RECORD.setdefault(ctx.base_url, {"kind": kind, "turns": []})
+    for choice in response.choices:
+        lps = [t.logprob for t in choice.logprobs.content] if kind == "chat" else choice.logprobs.token_logprobs
+        entry["turns"].append({"prompt": response.model_extra["prompt_token_ids"],
+                               "ids": choice.model_extra["token_ids"], "logprobs": lps})
+
+
+async def react(ctx):
+    """A ReAct-style loop: the add tool offered by function calling; a call is answered with the
+    tool's result, a plain answer with an observation, three requests at most."""
+    client = _client(ctx)
+    messages = list(ctx.messages)
+    for _ in range(3):
+        r = await client.chat.completions.create(model=ctx.model, messages=messages, tools=TOOLS, **ASK)
+        _note(ctx, r)
+        m = r.choices[0].message
+        messages.append(m.model_dump(exclude_none=True))
+        for call in m.tool_calls or []:
+            args = json.loads(call.function.arguments)
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": str(args.get("a", 0) + args.get("b", 0))})
+        if not m.tool_calls:
+            messages.append({"role": "user", "content": "Observation: think again."})
+    return None
+
+
+def blocking(ctx):
+    """The same with the blocking client, in a plain function."""
+    client = openai.OpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+    messages = list(ctx.messages)
+    for _ in range(2):
+        r = client.chat.completions.create(model=ctx.model, messages=messages, **ASK)
+        _note(ctx, r)
+        messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
+    return 0.25
+
+
+async def branching(ctx):
+    """n=4 choices of the first turn, then on from the third."""
+    client = _client(ctx)
+    r = await client.chat.completions.create(model=ctx.model, messages=ctx.messages, n=4, **ASK)
+    _note(ctx, r)
+    third = r.choices[2].message.model_dump(exclude_none=True)
+    r = await client.chat.completions.create(model=ctx.model, messages=[*ctx.messages, third,
+                                                                         {"role": "user", "content": "Go on."}], **ASK)
+    _note(ctx, r)
+
+
+async def editing(ctx):
+    """The second request rewrites the model's first turn: a new trajectory."""
+    client = _client(ctx)
+    r = await client.chat.completions.create(model=ctx.model, messages=ctx.messages, **ASK)
+    _note(ctx, r)
+    edited = {"role": "assistant", "content": "(summary of an earlier answer)"}
+    r = await client.chat.completions.create(model=ctx.model, messages=[*ctx.messages, edited,
+                                                                         {"role": "user", "content": "And?"}], **ASK)
+    _note(ctx, r)
+
+
+async def completion(ctx):
+    """Two text completions, the second continuing the first's prompt and answer."""
+    client = _client(ctx)
+    prompt = "Q: " + ctx.messages[-1]["content"] + "\nA:"
+    r = await client.completions.create(model=ctx.model, prompt=prompt, **ASK)
+    _note(ctx, r, "completion")
+    r = await client.completions.create(model=ctx.model, prompt=prompt + r.choices[0].text + "\nQ: sure?\nA:", **ASK)
+    _note(ctx, r, "completion")
+
+
+async def raises(ctx):
+    r = await _client(ctx).chat.completions.create(model=ctx.model, messages=ctx.messages, **ASK)
+    _note(ctx, r)
+    raise RuntimeError("the harness broke")
+
+
+async def hangs(ctx):
+    r = await _client(ctx).chat.completions.create(model=ctx.model, messages=ctx.messages, **ASK)
+    _note(ctx, r)
+    await asyncio.sleep(3600)
+
+
+async def two_turns(ctx):
+    """The trainer's harness: an answer, an observation, another answer; the task's reward scores it."""
+    client = _client(ctx)
+    messages = list(ctx.messages)
+    for _ in range(2):
+        r = await client.chat.completions.create(model=ctx.model, messages=messages, max_tokens=8)
+        messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Check it."}]
+
+
+async def silent(ctx):
+    return 1.0
+
+
+async def errors(ctx):
+    """Bad requests of every kind; each answer's (status, code) goes to RECORD."""
+    seen = RECORD.setdefault(ctx.base_url, {"kind": "errors", "turns": [], "errors": {}})["errors"]
+    client = _client(ctx)
+
+    async def attempt(name, call):
+        try:
+            await call
+            seen[name] = (200, None)
+        except openai.APIStatusError as e:
+            seen[name] = (e.status_code, (e.body or {}).get("code") if isinstance(e.body, dict) else None)
+
+    user = ctx.messages
+    await attempt("model", client.chat.completions.create(model="gpt-4o", messages=user))
+    await attempt("key", _client(ctx).with_options(api_key="wrong").chat.completions.create(model=ctx.model,
+                                                                                            messages=user))
+    await attempt("long", client.chat.completions.create(model=ctx.model, messages=[
+        {"role": "user", "content": "word " * 400}]))
+    await attempt("stream_stop", client.chat.completions.create(model=ctx.model, messages=user, stop=["\n"]))
+    await attempt("n", client.chat.completions.create(model=ctx.model, messages=user, n=99))
+    await attempt("messages", client.chat.completions.create(model=ctx.model, messages=[{"role": "robot"}]))
+    async with httpx.AsyncClient() as raw:
+        r = await raw.post(f"{ctx.base_url}/chat/completions", content=b"{not json",
+                           headers={"Authorization": f"Bearer {ctx.api_key}"})
+        seen["json"] = (r.status_code, r.json()["error"]["code"])
+        r = await raw.post(f"{ctx.base_url.rsplit('/e/', 1)[0]}/e/nobody/v1/chat/completions", json={},
+                           headers={"Authorization": f"Bearer {ctx.api_key}"})
+        seen["episode"] = (r.status_code, r.json()["error"]["code"])
+    models = await client.models.list()
+    seen["models"] = [m.id for m in models.data]
+    for k in range(4):  # rollout.max_turns=3 requests, then 429
+        await attempt(f"turn{k}", client.chat.completions.create(model=ctx.model, messages=user, max_tokens=1))
+
+
+KINDS = {f.__name__: f for f in (react, blocking, branching, editing, completion, raises, hangs, silent, errors)}
+
+
+def dispatch(ctx):
+    """The harness the task row names; a coroutine for the async ones (awaited by the runner)."""
+    return KINDS[ctx.fields["kind"]](ctx)

@@ -1,0 +1,141 @@
+"""Harness episodes against the rank's OpenAI-compatible endpoint, with the real `openai` client,
+real HTTP (uvicorn) and the real step-wise transformers engine on the tiny model: one batch of
+episodes of every kind (tests/support/agents_for_tests.py) runs concurrently, and each training
+row is checked token for token against what the endpoint answered; the failures end their own
+episodes only, the bad requests get OpenAI's errors, and an occupied port is one line."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+import agents_for_tests
+from distflow.config import ConfigError, DistflowConfig
+from distflow.rollout.agents.endpoint import Endpoint, build_app
+from distflow.rollout.agents.episodes import AgentRunner
+from distflow.rollout.hf_engine import HFEngine
+from distflow.tasks.prompts import PromptEncoder, PromptItem
+
+KINDS = ["react", "react", "blocking", "branching", "editing", "completion", "raises", "hangs", "silent", "errors"]
+TIMEOUT_S = 4.0
+
+
+def _cfg(tiny_model_dir, wait="wave") -> DistflowConfig:
+    return DistflowConfig.from_dict({
+        "model": {"path": tiny_model_dir, "dtype": "float32"},
+        "task": {"path": "unused.jsonl", "agent": "agents_for_tests:dispatch"},
+        "rollout": {"engine": "hf", "max_new_tokens": 8, "max_turns": 3, "max_total_tokens": 192,
+                    "max_prompt_tokens": 128},
+        "agent": {"episode_timeout_s": TIMEOUT_S, "wait": wait}}).validate()
+
+
+def _items(tok) -> list[PromptItem]:
+    out = []
+    for k, kind in enumerate(KINDS):
+        messages = [{"role": "user", "content": f"What is {k} + 3?"}]
+        ids, text = PromptEncoder(tok)(messages)
+        out.append(PromptItem(ids, text, str(k + 3), {"kind": kind}, messages))
+    return out
+
+
+@pytest.fixture(scope="module")
+def episodes(tiny_model_dir):
+    cfg = _cfg(tiny_model_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    engine = HFEngine(tiny_model_dir, cfg.model, cfg.rollout, torch.device("cpu"))
+    runner = AgentRunner(engine, tok, cfg)
+    agents_for_tests.RECORD.clear()
+    start = time.monotonic()
+    groups = runner.run(_items(tok), 1, list(range(100, 100 + len(KINDS))))
+    took = time.monotonic() - start
+    records = dict(agents_for_tests.RECORD)
+    # the well-behaved kinds twice more: agent.wait=wave makes the engine's batches, so its logprobs
+    # to the last bit, independent of thread timing; wait=free gives the same tokens
+    twice = [runner.run(_items(tok)[:5], 1, list(range(100, 105))) for _ in range(2)]
+    free = AgentRunner(HFEngine(tiny_model_dir, cfg.model, cfg.rollout, torch.device("cpu")), tok,
+                       _cfg(tiny_model_dir, "free"))
+    loose = free.run(_items(tok)[:5], 1, list(range(100, 105)))
+    free.close()
+    yield {"samples": [g[0] for g in groups], "records": records, "took": took, "twice": twice, "free": loose,
+           "runner": runner}
+    runner.close()
+
+
+def _record(episodes, index):
+    url = f"{episodes['runner'].endpoint.url}/e/{index + 1}/v1"  # episodes are numbered from 1 in order
+    return episodes["records"].get(url, {"turns": []})
+
+
+def _check_exact(sample, turns):
+    """The row is the last turn's prompt and answer, as the endpoint said; its generated tokens are
+    every turn's, with the engine's logprobs, in order; the rest is masked."""
+    last = turns[-1]
+    assert sample.prompt_ids + sample.response_ids == last["prompt"] + last["ids"]
+    assert sample.prompt_ids == turns[0]["prompt"]
+    generated = [t for t, m in zip(sample.response_ids, sample.mask) if m]
+    assert generated == [t for turn in turns for t in turn["ids"]]
+    lps = [lp for lp, m in zip(sample.logprobs, sample.mask) if m]
+    assert lps == pytest.approx([lp for turn in turns for lp in turn["logprobs"]], abs=1e-6)
+    assert all(lp == 0.0 for lp, m in zip(sample.logprobs, sample.mask) if not m)
+
+
+def test_trained_tokens_are_the_tokens_the_endpoint_answered(episodes):
+    samples = episodes["samples"]
+    for i, kind in enumerate(KINDS):
+        if kind in ("react", "blocking"):
+            turns = _record(episodes, i)["turns"]
+            assert len(turns) == {"react": 3, "blocking": 2}[kind]
+            _check_exact(samples[i], turns)
+            assert samples[i].episode.turns == len(turns) and samples[i].episode.restarts == 0
+            assert samples[i].mask.count(0) > 0  # observations between the turns, masked
+    assert samples[2].episode.env_reward == 0.25  # what the blocking harness returned
+    first, second = ([(g[0].prompt_ids, g[0].response_ids, g[0].logprobs, g[0].mask) for g in run]
+                     for run in episodes["twice"])
+    assert first == second  # bit for bit
+    assert [g[0].response_ids for g in episodes["free"]] == [row[1] for row in first]
+
+
+def test_branches_restarts_and_completions(episodes):
+    samples = episodes["samples"]
+    branching = _record(episodes, KINDS.index("branching"))["turns"]
+    s = samples[KINDS.index("branching")]
+    assert len(branching) == 5 and s.episode.branches == 3  # four choices, then on from the third
+    assert s.response_ids[:len(branching[2]["ids"])] == branching[2]["ids"]
+    assert s.prompt_ids + s.response_ids == branching[4]["prompt"] + branching[4]["ids"]
+    s = samples[KINDS.index("editing")]
+    assert s.episode.restarts == 1 and s.prompt_ids == _record(episodes, KINDS.index("editing"))["turns"][1]["prompt"]
+    turns = _record(episodes, KINDS.index("completion"))["turns"]
+    _check_exact(samples[KINDS.index("completion")], turns)  # the second prompt continued the first by text
+
+
+def test_a_failing_hanging_or_silent_harness_ends_only_its_episode(episodes):
+    samples = episodes["samples"]
+    raised, hung, silent = (samples[KINDS.index(k)] for k in ("raises", "hangs", "silent"))
+    assert raised.episode.failed and not raised.episode.cut and len(raised.response_ids) > 0
+    assert hung.episode.cut and hung.truncated and len(hung.response_ids) > 0  # its one turn kept
+    assert silent.response_ids == [] and silent.episode.requests == 0 and silent.episode.env_reward == 1.0
+    assert TIMEOUT_S <= episodes["took"] < TIMEOUT_S + 30  # the hanging one was cut at its deadline
+
+
+def test_bad_requests_get_openai_errors(episodes):
+    seen = _record(episodes, KINDS.index("errors"))["errors"]
+    assert seen["model"] == (404, "model_not_found") and seen["key"][0] == 401
+    assert seen["long"] == (400, "context_length_exceeded")
+    assert seen["stream_stop"] == (400, "unsupported") and seen["n"] == (400, "invalid_n")
+    assert seen["messages"] == (400, "invalid_messages")
+    assert seen["json"] == (400, "invalid_json") and seen["episode"] == (404, "episode_not_found")
+    assert seen["models"] == ["policy"]
+    assert [seen[f"turn{k}"][0] for k in range(4)] == [200, 200, 200, 429]  # rollout.max_turns requests
+
+
+def test_an_occupied_port_is_one_line():
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        with pytest.raises(ConfigError, match=rf"^the agent endpoint cannot listen on 127.0.0.1:{port} .*agent.port"):
+            Endpoint(build_app(None, "k"), "127.0.0.1", port)
