@@ -27,7 +27,7 @@ from typing import Callable
 @dataclass(frozen=True)
 class Fault:
     id: str
-    area: str  # config, data, model folder, models in the loop, reward module, tools, checkpoints, file system, run
+    area: str  # config, data, model folder, models in the loop, agents, reward module, tools, checkpoints, file system, run
     fault: str  # what the user did, or what happened
     prints: tuple[str, ...]  # the lines, normalised (see `normalise`)
     keeps: str  # what distflow keeps (files, the run folder, the checkpoint)
@@ -230,6 +230,25 @@ def _rewards(combination: dict) -> Callable[[Scene], None]:
     return run
 
 
+def _harness(spec: str) -> Callable[[Scene], None]:
+    def run(scene: Scene) -> None:
+        from distflow.config.specs import resolve
+
+        resolve(spec, {}, "task.agent")  # as the task resolves it, before any weights load
+    return run
+
+
+def _port_in_use(scene: Scene) -> None:
+    import socket
+
+    from distflow.rollout.agents.endpoint import Endpoint, build_app
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        Endpoint(build_app(None, "key"), "127.0.0.1", held.getsockname()[1])
+
+
 def _tools(**kw) -> Callable[[Scene], None]:
     def run(scene: Scene) -> None:
         from distflow.tasks.envs import ToolEnv
@@ -415,8 +434,8 @@ FAULTS: list[Fault] = [
           "nothing was started", "Use group_size >= 2, or an estimator with a critic (`algorithm=ppo`).",
           _config({"algorithm": {"group_size": 1}})),
     Fault("config-turns-without-env", "config", "`rollout.max_turns=3` without an environment",
-          (E + "rollout.max_turns=3 needs an environment to answer the turns: set task.env",),
-          "nothing was started", "Set `task.env` (e.g. `tools`) or leave max_turns at 1.",
+          (E + "rollout.max_turns=3 needs an environment to answer the turns: set task.env (or task.agent)",),
+          "nothing was started", "Set `task.env` (e.g. `tools`) or a harness (`task.agent`), or leave max_turns at 1.",
           _config({"rollout": {"max_turns": 3}})),
     Fault("config-staleness-uncorrected", "config", "carry-over with older tokens and no correction: "
           "`pipeline=carryover rollout_correction=metrics`",
@@ -582,6 +601,30 @@ FAULTS: list[Fault] = [
           (E + "task.judges[0].template has no {answer}: the judge would not see the sample it scores",),
           "nothing was started", "Put `{answer}` in the template.",
           _config({"task": {"judges": [{"path": "/tmp", "template": "Is {question} hard?"}]}})),
+    # agents
+    Fault("agent-not-importable", "agents", "`task.agent=my_agent:run` where the module is not on the path",
+          (E + "task.agent 'my_agent:run' cannot be imported: ModuleNotFoundError: No module named 'my_agent'",),
+          "nothing was started (before any worker or model)", "Put the harness's module on the path (the launch "
+          "directory is).", _harness("my_agent:run")),
+    Fault("agent-and-env", "agents", "both `task.agent` and `task.env` set",
+          (E + "task.agent and task.env are two ways to run episodes: set one (a harness can call its own tools)",),
+          "nothing was started", "Keep one; a harness runs its tools itself.",
+          _config({"task": {"agent": "my_agent:run", "env": "tools"}})),
+    Fault("agent-port-in-use", "agents", "`agent.port` taken by another program",
+          (E + "the agent endpoint cannot listen on 127.0.0.1:<N> (Address already in use): choose another agent.port "
+               "(local rank r uses agent.port + r), or 0 for any free port",),
+          "nothing was trained", "Choose a free port, or 0 (the default).", _port_in_use),
+    Fault("agent-harness-fails", "agents", "a harness that raises",
+          (W + "agent episode <N>: the harness failed: RuntimeError: the harness broke; its turns are kept (logged "
+               "once, later ones only counted in agent/failed)",),
+          "the step and every other episode; that episode's turns so far are its sample", "Fix the harness.",
+          tested_by="tests/unit/test_agent_endpoint.py::test_a_failing_hanging_or_silent_harness_ends_only_its_episode"),
+    Fault("agent-harness-hangs", "agents", "a harness that never returns",
+          (W + "agent episode <N>: the harness ran past agent.episode_timeout_s=<N> of its own time; cut, its turns kept "
+               "as a truncated sample (logged once, later ones only counted in agent/cut)",),
+          "the step; the episode's engine requests are aborted and its later requests refused (410)",
+          "Fix the harness, or raise `agent.episode_timeout_s`.",
+          tested_by="tests/unit/test_agent_endpoint.py::test_a_failing_hanging_or_silent_harness_ends_only_its_episode"),
     # reward module
     Fault("reward-not-importable", "reward module", "`task.reward=no_such_module:score`",
           (E + "task.reward 'no_such_module:score' cannot be imported: ModuleNotFoundError: No module named "

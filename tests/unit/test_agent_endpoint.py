@@ -6,6 +6,7 @@ episodes only, the bad requests get OpenAI's errors, and an occupied port is one
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 
@@ -42,12 +43,23 @@ def _items(tok) -> list[PromptItem]:
     return out
 
 
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
 @pytest.fixture(scope="module")
 def episodes(tiny_model_dir):
+    warnings = _Lines()
+    logging.getLogger("distflow").addHandler(warnings)
     cfg = _cfg(tiny_model_dir)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     engine = HFEngine(tiny_model_dir, cfg.model, cfg.rollout, torch.device("cpu"))
-    runner = AgentRunner(engine, tok, cfg)
+    runner = AgentRunner(engine, tok, cfg, agents_for_tests.dispatch)
     agents_for_tests.RECORD.clear()
     start = time.monotonic()
     groups = runner.run(_items(tok), 1, list(range(100, 100 + len(KINDS))))
@@ -57,11 +69,12 @@ def episodes(tiny_model_dir):
     # to the last bit, independent of thread timing; wait=free gives the same tokens
     twice = [runner.run(_items(tok)[:5], 1, list(range(100, 105))) for _ in range(2)]
     free = AgentRunner(HFEngine(tiny_model_dir, cfg.model, cfg.rollout, torch.device("cpu")), tok,
-                       _cfg(tiny_model_dir, "free"))
+                       _cfg(tiny_model_dir, "free"), agents_for_tests.dispatch)
     loose = free.run(_items(tok)[:5], 1, list(range(100, 105)))
     free.close()
+    logging.getLogger("distflow").removeHandler(warnings)
     yield {"samples": [g[0] for g in groups], "records": records, "took": took, "twice": twice, "free": loose,
-           "runner": runner}
+           "runner": runner, "warnings": warnings.lines}
     runner.close()
 
 
@@ -119,6 +132,12 @@ def test_a_failing_hanging_or_silent_harness_ends_only_its_episode(episodes):
     assert hung.episode.cut and hung.truncated and len(hung.response_ids) > 0  # its one turn kept
     assert silent.response_ids == [] and silent.episode.requests == 0 and silent.episode.env_reward == 1.0
     assert TIMEOUT_S <= episodes["took"] < TIMEOUT_S + 30  # the hanging one was cut at its deadline
+    # one line for each kind, the first time (later ones are counted in agent/failed and agent/cut)
+    assert episodes["warnings"] == [
+        "agent episode 8: the harness ran past agent.episode_timeout_s=4.0 of its own time; cut, its turns kept as a "
+        "truncated sample (logged once, later ones only counted in agent/cut)",
+        "agent episode 7: the harness failed: RuntimeError: the harness broke; its turns are kept (logged once, later "
+        "ones only counted in agent/failed)"]
 
 
 def test_bad_requests_get_openai_errors(episodes):

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from distflow.config import TaskConfig
+from distflow.config.specs import resolve
 from distflow.tasks.envs import build_env
 from distflow.tasks.prompts import PromptItem, load_prompts
 from distflow.tasks.rewards.pool import TaskWorkers
@@ -41,11 +42,13 @@ class Task:
     `reward`: the resolved RewardSpec. `env`: the environment (None: single-turn), the one instance
     of this process; the workers build their own copies from task.env / task.env_args.
     `workers`: the TaskWorkers (RewardPool) that score completions and step the environment.
+    `harness`: task.agent's function (distflow.rollout.agents), or None.
     """
 
     def __init__(self, config: TaskConfig, tokenizer, max_prompt_tokens: int, reward: RewardSpec, env,
-                 workers: TaskWorkers):
+                 workers: TaskWorkers, harness=None):
         self.config = config
+        self.harness = harness
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         self.reward = reward
@@ -64,8 +67,9 @@ class Task:
             _check_split(split)
         reward = RewardSpec.from_task(config)
         env = build_env(config.env, dict(config.env_args)) if config.env else None
+        harness = resolve(config.agent, {}, "task.agent") if config.agent else None
         workers = TaskWorkers.from_task(config, rewards=reward, env_instance=env)
-        task = cls(config, tokenizer, max_prompt_tokens, reward, env, workers)
+        task = cls(config, tokenizer, max_prompt_tokens, reward, env, workers, harness)
         try:
             for split in splits:
                 task.rows(split)

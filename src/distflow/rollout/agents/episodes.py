@@ -1,7 +1,7 @@
 """Harness episodes on one rank: the user's agent code runs against the rank's endpoint, and its
 requests are batched into the rank's step-wise engine.
 
-    runner = AgentRunner(engine, tokenizer, cfg, local_rank)   # task.agent set
+    runner = AgentRunner(engine, tokenizer, cfg, task.harness, local_rank)   # task.agent set
     groups = runner.run(items, n, seeds)                       # [len(items)][n] Samples
 
 Three threads meet here. The harness's coroutines run on their own event loop (a harness written
@@ -35,10 +35,9 @@ import time
 from typing import Any, Callable
 
 from distflow.rollout.agents.endpoint import ApiError, Endpoint, build_app
-from distflow.rollout.agents.messages import BadRequest, assistant_turn, template_message, text_of
+from distflow.rollout.agents.messages import BadRequest, assistant_turn, template_message
 from distflow.rollout.agents.trajectories import TrajectoryBook
 from distflow.config import ConfigError, DistflowConfig
-from distflow.config.specs import resolve
 from distflow.rollout.base import Request
 from distflow.rollout.episodes import ObservationEncoder
 from distflow.sample import EpisodeInfo, Sample
@@ -86,11 +85,6 @@ class _Submission:
     number: int  # the episode's request count
     request: Request
     future: concurrent.futures.Future
-
-
-def load_harness(spec: str) -> Callable:
-    """task.agent's function, or a one-line ConfigError."""
-    return resolve(spec, {}, "task.agent")
 
 
 class Gateway:
@@ -247,9 +241,9 @@ class Gateway:
 class AgentRunner:
     """task.agent's episodes on one rank, with the rank's endpoint (see the module docstring)."""
 
-    def __init__(self, engine, tokenizer, cfg: DistflowConfig, local_rank: int = 0):
-        self.engine, self.cfg = engine, cfg
-        self.harness = load_harness(cfg.task.agent)
+    def __init__(self, engine, tokenizer, cfg: DistflowConfig, harness: Callable, local_rank: int = 0):
+        """`harness`: task.agent's function (resolved with the task, distflow.tasks.Task.harness)."""
+        self.engine, self.cfg, self.harness = engine, cfg, harness
         self.gateway = Gateway(tokenizer, cfg)
         self.api_key = secrets.token_urlsafe(24)
         port = cfg.agent.port + local_rank if cfg.agent.port else 0
@@ -260,6 +254,7 @@ class AgentRunner:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="distflow-harness-loop")
         self.thread.start()
         self.counter = 0
+        self._warned: set[str] = set()
         log.info(f"agent endpoint on {self.endpoint.url} (OpenAI-compatible; model {cfg.agent.served_model_name!r})")
 
     def run(self, items: list[PromptItem], n: int, seeds: list[int], greedy: bool = False) -> list[list[Sample]]:
@@ -326,7 +321,15 @@ class AgentRunner:
         self.engine.submit(sub.request)
         inflight[sub.request.request_id] = sub
 
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            log.warning(" ".join(message.split()))
+
     def _cut(self, ep: _Episode, inflight: dict[str, _Submission]) -> None:
+        self._warn_once("cut", f"agent episode {ep.key}: the harness ran past agent.episode_timeout_s="
+                               f"{self.cfg.agent.episode_timeout_s} of its own time; cut, its turns kept as a truncated "
+                               "sample (logged once, later ones only counted in agent/cut)")
         with self.gateway.lock:
             ep.closed = ep.cut = True
         ep.harness.cancel()
@@ -362,7 +365,8 @@ class AgentRunner:
                 ep.reward = float(result or 0.0)
             except Exception as e:  # noqa: BLE001 - the harness's own failure ends only its episode
                 ep.failed = True
-                log.warning(f"agent episode {ep.key}: the harness failed: {type(e).__name__}: {e}".replace("\n", " "))
+                self._warn_once("failed", f"agent episode {ep.key}: the harness failed: {type(e).__name__}: {e}; its "
+                                          "turns are kept (logged once, later ones only counted in agent/failed)")
         book = ep.book
         if book.main is None:  # no request was answered: an empty response
             sample = Sample(list(item.prompt_ids), [], [], ep.cut, [], EpisodeInfo(), [])
