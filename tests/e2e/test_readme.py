@@ -29,6 +29,7 @@ KINDS = {"make": "make ", "cpu": (".venv/bin/torchrun", "launch/local.sh"), "gpu
 RUN_ELSEWHERE = {
     "launch/local.sh 2 experiment=smoke": "e2e/test_smoke.py",
     ".venv/bin/torchrun --standalone --nproc_per_node=2 recipes/grpo.py experiment=tools_smoke": "e2e/test_tools_runs.py",
+    ".venv/bin/torchrun --standalone --nproc_per_node=2 recipes/grpo.py experiment=agent_smoke": "e2e/test_agent_runs.py",
 }
 
 

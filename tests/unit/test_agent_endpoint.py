@@ -6,6 +6,7 @@ episodes only, the bad requests get OpenAI's errors, and an occupied port is one
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import socket
 import time
@@ -15,6 +16,7 @@ import torch
 from transformers import AutoTokenizer
 
 import agents_for_tests
+from launch_helpers import ROOT
 from distflow.config import ConfigError, DistflowConfig
 from distflow.rollout.agents.endpoint import Endpoint, build_app
 from distflow.rollout.agents.episodes import AgentRunner
@@ -149,6 +151,25 @@ def test_bad_requests_get_openai_errors(episodes):
     assert seen["json"] == (400, "invalid_json") and seen["episode"] == (404, "episode_not_found")
     assert seen["models"] == ["policy"]
     assert [seen[f"turn{k}"][0] for k in range(4)] == [200, 200, 200, 429]  # rollout.max_turns requests
+
+
+def test_the_example_harness_is_the_documented_one_and_runs(tiny_model_dir, tmp_path):
+    """recipes/harnesses/calculator_agent.py, shown whole in docs/tasks.md, runs against the endpoint:
+    with a random model, a turn without a tool call (its answer) ends it."""
+    harness = ROOT / "recipes" / "harnesses" / "calculator_agent.py"
+    assert harness.read_text() in (ROOT / "docs" / "tasks.md").read_text()
+    spec = importlib.util.spec_from_file_location("calculator_agent", harness)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = _cfg(tiny_model_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    runner = AgentRunner(HFEngine(tiny_model_dir, cfg.model, cfg.rollout, torch.device("cpu")), tok, cfg, module.run)
+    try:
+        samples = [g[0] for g in runner.run(_items(tok)[:3], 1, [1, 2, 3])]
+    finally:
+        runner.close()
+    for s in samples:
+        assert not (s.episode.failed or s.episode.cut) and s.episode.requests >= 1 and s.episode.restarts == 0
 
 
 def test_an_occupied_port_is_one_line():
