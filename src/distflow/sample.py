@@ -46,9 +46,11 @@ class EpisodeInfo:
     tool_errors: int = 0  # malformed calls, unknown tools, failed tools, failed environment steps
     tool_timeouts: int = 0
     # a harness episode's (distflow.rollout.agents): engine requests, requests that started a new trajectory
-    # after the first, branches (a retried turn, n > 1), and whether it was cut or its harness failed
+    # after the first, requests kept apart (task.agent_exclude), branches (a retried turn, n > 1), and
+    # whether it was cut or its harness failed
     requests: int = 0
     restarts: int = 0
+    excluded: int = 0
     branches: int = 0
     cut: bool = False
     failed: bool = False

@@ -91,6 +91,25 @@ async def completion(ctx):
     _note(ctx, r, "completion")
 
 
+async def titled(ctx):
+    """An answer, a title for the conversation on the side (kept out by is_title), then on with the answer."""
+    client = _client(ctx)
+    r = await client.chat.completions.create(model=ctx.model, messages=ctx.messages, **ASK)
+    _note(ctx, r)
+    answer = r.choices[0].message.model_dump(exclude_none=True)
+    title = await client.chat.completions.create(model=ctx.model, messages=[
+        {"role": "system", "content": "Title: name this conversation."}, *ctx.messages, answer], **ASK)
+    RECORD[ctx.base_url]["title"] = title.choices[0].model_extra["token_ids"]
+    r = await client.chat.completions.create(model=ctx.model, messages=[*ctx.messages, answer,
+                                                                         {"role": "user", "content": "Go on."}], **ASK)
+    _note(ctx, r)
+
+
+def is_title(request: dict) -> bool:
+    """task.agent_exclude for `titled`: a request whose first message asks for a title."""
+    return str(request["messages"][0].get("content", "")).startswith("Title:")
+
+
 async def raises(ctx):
     r = await _client(ctx).chat.completions.create(model=ctx.model, messages=ctx.messages, **ASK)
     _note(ctx, r)
@@ -150,7 +169,8 @@ async def errors(ctx):
         await attempt(f"turn{k}", client.chat.completions.create(model=ctx.model, messages=user, max_tokens=1))
 
 
-KINDS = {f.__name__: f for f in (react, blocking, branching, editing, completion, raises, hangs, silent, errors)}
+KINDS = {f.__name__: f for f in (react, blocking, branching, editing, completion, titled, raises, hangs, silent,
+                                  errors)}
 
 
 def dispatch(ctx):

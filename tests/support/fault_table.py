@@ -610,6 +610,10 @@ FAULTS: list[Fault] = [
           (E + "task.agent and task.env are two ways to run episodes: set one (a harness can call its own tools)",),
           "nothing was started", "Keep one; a harness runs its tools itself.",
           _config({"task": {"agent": "my_agent:run", "env": "tools"}})),
+    Fault("agent-exclude-alone", "agents", "`task.agent_exclude` without `task.agent`",
+          (E + "task.agent_exclude picks requests of a harness's episodes: it needs task.agent",),
+          "nothing was started", "Set `task.agent` to the harness, or drop the filter.",
+          _config({"task": {"agent_exclude": "my_agent:is_title"}})),
     Fault("agent-port-in-use", "agents", "`agent.port` taken by another program",
           (E + "the agent endpoint cannot listen on 127.0.0.1:<N> (Address already in use): choose another agent.port "
                "(local rank r uses agent.port + r), or 0 for any free port",),

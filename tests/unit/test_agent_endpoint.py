@@ -23,7 +23,8 @@ from distflow.rollout.agents.episodes import AgentRunner
 from distflow.rollout.hf_engine import HFEngine
 from distflow.tasks.prompts import PromptEncoder, PromptItem
 
-KINDS = ["react", "react", "blocking", "branching", "editing", "completion", "raises", "hangs", "silent", "errors"]
+KINDS = ["react", "react", "blocking", "branching", "editing", "completion", "titled", "raises", "hangs", "silent",
+         "errors"]
 TIMEOUT_S = 4.0
 
 
@@ -61,7 +62,7 @@ def episodes(tiny_model_dir):
     cfg = _cfg(tiny_model_dir)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     engine = HFEngine(tiny_model_dir, cfg.model, cfg.rollout, torch.device("cpu"))
-    runner = AgentRunner(engine, tok, cfg, agents_for_tests.dispatch)
+    runner = AgentRunner(engine, tok, cfg, agents_for_tests.dispatch, exclude=agents_for_tests.is_title)
     agents_for_tests.RECORD.clear()
     start = time.monotonic()
     groups = runner.run(_items(tok), 1, list(range(100, 100 + len(KINDS))))
@@ -125,6 +126,11 @@ def test_branches_restarts_and_completions(episodes):
     assert s.episode.restarts == 1 and s.prompt_ids == _record(episodes, KINDS.index("editing"))["turns"][1]["prompt"]
     turns = _record(episodes, KINDS.index("completion"))["turns"]
     _check_exact(samples[KINDS.index("completion")], turns)  # the second prompt continued the first by text
+    # a title asked on the side (task.agent_exclude) is answered, but neither trained nor continued
+    titled = _record(episodes, KINDS.index("titled"))
+    s = samples[KINDS.index("titled")]
+    _check_exact(s, titled["turns"])
+    assert s.episode.excluded == 1 and s.episode.restarts == 0 and s.episode.requests == 3 and titled["title"]
 
 
 def test_a_failing_hanging_or_silent_harness_ends_only_its_episode(episodes):
@@ -136,9 +142,9 @@ def test_a_failing_hanging_or_silent_harness_ends_only_its_episode(episodes):
     assert TIMEOUT_S <= episodes["took"] < TIMEOUT_S + 30  # the hanging one was cut at its deadline
     # one line for each kind, the first time (later ones are counted in agent/failed and agent/cut)
     assert episodes["warnings"] == [
-        "agent episode 8: the harness ran past agent.episode_timeout_s=4.0 of its own time; cut, its turns kept as a "
+        "agent episode 9: the harness ran past agent.episode_timeout_s=4.0 of its own time; cut, its turns kept as a "
         "truncated sample (logged once, later ones only counted in agent/cut)",
-        "agent episode 7: the harness failed: RuntimeError: the harness broke; its turns are kept (logged once, later "
+        "agent episode 8: the harness failed: RuntimeError: the harness broke; its turns are kept (logged once, later "
         "ones only counted in agent/failed)"]
 
 

@@ -86,6 +86,8 @@ def _across_sections(cfg: DistflowConfig) -> list[tuple[bool, str]]:
          f"rollout.max_turns={r.max_turns} needs an environment to answer the turns: set task.env (or task.agent)"),
         (not (cfg.task.agent and cfg.task.env),
          "task.agent and task.env are two ways to run episodes: set one (a harness can call its own tools)"),
+        (cfg.task.agent or not cfg.task.agent_exclude,
+         "task.agent_exclude picks requests of a harness's episodes: it needs task.agent"),
         (not cfg.task.agent or cfg.pipeline.mode == "sync",
          "task.agent runs with pipeline.mode=sync (harness episodes are not carried over yet)"),
         (not cfg.task.agent or r.tensor_parallel_size == 1,

@@ -123,6 +123,10 @@ class TaskConfig:
         "", "A harness for agent episodes (distflow.rollout.agents): package.module:function, called (async or not) once "
         "per episode with an AgentContext; it talks to the policy through the rank's OpenAI-compatible endpoint "
         "(agent.*), which records the exact tokens. Empty: no harness.")
+    agent_exclude: str = knob(
+        "", "package.module:function(request) -> bool, for task.agent: true for a request that is not part of the "
+        "policy's trajectory (a title, a summary the harness asks for): answered by the engine, never trained or "
+        "continued (agent/excluded). Empty: every request counts.")
     gym_dataset: str = knob("basic_arithmetic", "name=reasoning_gym: the dataset's name.")
     gym_config: Dict[str, Any] = knob(factory=dict, doc="name=reasoning_gym: the dataset's config.")
     size: int = knob(1000, "name=reasoning_gym: training items.")

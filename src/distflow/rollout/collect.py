@@ -55,7 +55,7 @@ class Rollout:
         if cfg.task.agent:
             from distflow.rollout.agents.episodes import AgentRunner  # (FastAPI and uvicorn load only here)
 
-            self.runner = AgentRunner(self.engine, tokenizer, cfg, task.harness, dist.local_rank)
+            self.runner = AgentRunner(self.engine, tokenizer, cfg, task.harness, dist.local_rank, task.exclude)
         elif self.task.multi_turn:
             self.runner = EpisodeRunner(self.engine, self.task.workers, self.tokenizer, cfg.rollout,
                                         lockstep=cfg.rollout.tensor_parallel_size > 1)

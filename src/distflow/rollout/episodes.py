@@ -208,7 +208,7 @@ class EpisodeRunner:
         return True
 
 
-AGENT_COUNTS = ("requests", "restarts", "branches", "cut", "failed")  # a harness episode's (distflow.rollout.agents)
+AGENT_COUNTS = ("requests", "restarts", "excluded", "branches", "cut", "failed")  # a harness episode's (distflow.rollout.agents)
 
 
 def episode_sums(samples: list[Sample]) -> dict[str, float]:

@@ -42,13 +42,13 @@ class Task:
     `reward`: the resolved RewardSpec. `env`: the environment (None: single-turn), the one instance
     of this process; the workers build their own copies from task.env / task.env_args.
     `workers`: the TaskWorkers (RewardPool) that score completions and step the environment.
-    `harness`: task.agent's function (distflow.rollout.agents), or None.
+    `harness`, `exclude`: task.agent's and task.agent_exclude's functions (distflow.rollout.agents), or None.
     """
 
     def __init__(self, config: TaskConfig, tokenizer, max_prompt_tokens: int, reward: RewardSpec, env,
-                 workers: TaskWorkers, harness=None):
+                 workers: TaskWorkers, harness=None, exclude=None):
         self.config = config
-        self.harness = harness
+        self.harness, self.exclude = harness, exclude
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         self.reward = reward
@@ -68,8 +68,9 @@ class Task:
         reward = RewardSpec.from_task(config)
         env = build_env(config.env, dict(config.env_args)) if config.env else None
         harness = resolve(config.agent, {}, "task.agent") if config.agent else None
+        exclude = resolve(config.agent_exclude, {}, "task.agent_exclude") if config.agent_exclude else None
         workers = TaskWorkers.from_task(config, rewards=reward, env_instance=env)
-        task = cls(config, tokenizer, max_prompt_tokens, reward, env, workers, harness)
+        task = cls(config, tokenizer, max_prompt_tokens, reward, env, workers, harness, exclude)
         try:
             for split in splits:
                 task.rows(split)

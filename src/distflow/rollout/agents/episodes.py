@@ -72,6 +72,7 @@ class _Episode:
     book: TrajectoryBook
     busy_s: float = 0.0  # the harness's own time: running with no request out
     requests: int = 0
+    excluded: int = 0  # requests task.agent_exclude kept out of the trajectories
     closed: bool = False
     cut: bool = False
     failed: bool = False
@@ -91,8 +92,8 @@ class Gateway:
     """What the endpoint's routes call: a request's validation, tokens and limits, its submission to
     the main thread, and its answer in OpenAI's format."""
 
-    def __init__(self, tokenizer, cfg: DistflowConfig):
-        self.tokenizer, self.rollout, self.agent = tokenizer, cfg.rollout, cfg.agent
+    def __init__(self, tokenizer, cfg: DistflowConfig, exclude: Callable | None = None):
+        self.tokenizer, self.rollout, self.agent, self.exclude = tokenizer, cfg.rollout, cfg.agent, exclude
         self.model_name = cfg.agent.served_model_name
         self.encode_prompt, self.encode_observation = PromptEncoder(tokenizer), ObservationEncoder(tokenizer)
         self.episodes: dict[str, _Episode] = {}
@@ -123,7 +124,10 @@ class Gateway:
             messages = [template_message(m, f"messages[{i}]") for i, m in enumerate(raw)]
         except BadRequest as e:
             raise ApiError(400, str(e), "invalid_messages") from None
-        samples, prepared, number = await self._generate(episode, body, lambda: episode.book.prepare(messages, tools))
+        apart = self._excluded(body)
+        book = episode.book
+        samples, prepared, number = await self._generate(
+            episode, body, (lambda: book.apart(messages, tools)) if apart else (lambda: book.prepare(messages, tools)))
         choices, turns = [], []
         for i, s in enumerate(samples):
             api, turn = assistant_turn(self.tokenizer.decode(s.response_ids, skip_special_tokens=True),
@@ -132,8 +136,12 @@ class Gateway:
             finish = "length" if s.truncated else ("tool_calls" if "tool_calls" in api else "stop")
             choices.append({"index": i, "message": api, "finish_reason": finish, **self._extras(body, s)})
         with self.lock:
-            if not episode.closed:
-                episode.book.record(prepared, turns, self.version)
+            if episode.closed:
+                pass
+            elif apart:
+                episode.excluded += 1
+            else:
+                book.record(prepared, turns, self.version)
         return self._answer("chat.completion", key, number, prepared.context, samples, choices, body)
 
     async def complete(self, key: str, body: dict) -> dict:
@@ -159,6 +167,16 @@ class Gateway:
         return self._answer("text_completion", key, number, prepared.context, samples, choices, body)
 
     # ------------------------------------------------------------------ one request
+    def _excluded(self, body: dict) -> bool:
+        """task.agent_exclude's verdict on a chat request (a failure of the filter is the request's 400)."""
+        if self.exclude is None:
+            return False
+        try:
+            return bool(self.exclude(body))
+        except Exception as e:  # noqa: BLE001 - the user's filter: its failure is this request's error
+            raise ApiError(400, f"task.agent_exclude raised on this request: {type(e).__name__}: {e}",
+                           "exclude_failed") from None
+
     def _episode(self, key: str) -> _Episode:
         with self.lock:
             episode = self.episodes.get(key)
@@ -241,10 +259,12 @@ class Gateway:
 class AgentRunner:
     """task.agent's episodes on one rank, with the rank's endpoint (see the module docstring)."""
 
-    def __init__(self, engine, tokenizer, cfg: DistflowConfig, harness: Callable, local_rank: int = 0):
-        """`harness`: task.agent's function (resolved with the task, distflow.tasks.Task.harness)."""
+    def __init__(self, engine, tokenizer, cfg: DistflowConfig, harness: Callable, local_rank: int = 0,
+                 exclude: Callable | None = None):
+        """`harness`, `exclude`: task.agent's and task.agent_exclude's functions (resolved with the task,
+        distflow.tasks.Task)."""
         self.engine, self.cfg, self.harness = engine, cfg, harness
-        self.gateway = Gateway(tokenizer, cfg)
+        self.gateway = Gateway(tokenizer, cfg, exclude)
         self.api_key = secrets.token_urlsafe(24)
         port = cfg.agent.port + local_rank if cfg.agent.port else 0
         self.endpoint = Endpoint(build_app(self.gateway, self.api_key), cfg.agent.host, port)
@@ -373,7 +393,8 @@ class AgentRunner:
         else:
             sample = book.main.sample(cut=ep.cut)
         info = sample.episode
-        info.env_reward, info.requests, info.restarts = ep.reward, ep.requests, book.restarts
+        info.env_reward, info.requests, info.restarts, info.excluded = ep.reward, ep.requests, book.restarts, \
+            ep.excluded
         info.branches, info.cut, info.failed = len(book.trajectories) - 1 - book.restarts if book.trajectories else 0, \
             ep.cut, ep.failed
         return sample

@@ -116,6 +116,12 @@ class TrajectoryBook:
         return self._continue(base, new, self.encode_observation(new, None if base.open_turn or not base.ids
                                                                      else base.ids[-1]))
 
+    def apart(self, messages: list[dict], tools: list[dict] | None) -> Prepared:
+        """The context of a request that is not part of the episode's trajectories (task.agent_exclude):
+        the rendered conversation, matched against nothing and never recorded."""
+        offered = json.dumps(tools, sort_keys=True) if tools else None
+        return self._start(self.encode_prompt(messages, tools)[0], messages, offered, counts=False)
+
     def prepare_text(self, prompt: str | list[int]) -> Prepared:
         """The context of a completion request: a trajectory's exact ids when the prompt continues it
         (its text, or its ids, followed by more), then the rest encoded; else the prompt alone."""
@@ -134,8 +140,8 @@ class TrajectoryBook:
         prepared.text = prompt if isinstance(prompt, str) else None
         return prepared
 
-    def _start(self, ids: list[int], messages: list[dict], tools: str | None) -> Prepared:
-        self.restarts += bool(self.trajectories)
+    def _start(self, ids: list[int], messages: list[dict], tools: str | None, counts: bool = True) -> Prepared:
+        self.restarts += counts and bool(self.trajectories)
         if len(ids) > self.max_prompt:
             raise BadRequest(f"context_length_exceeded: the conversation is {len(ids)} tokens, more than the "
                              f"prompt limit rollout.max_prompt_tokens={self.max_prompt}")
