@@ -280,3 +280,16 @@ def test_distill_smoke(tmp_path):
     assert "algorithm=distill" in student["command"] and str(tmp_path / "work" / "teacher" / "hf_model") in \
         student["command"]
     assert (tmp_path / "work" / "teacher" / "hf_model" / "config.json").is_file()
+
+
+def test_agent_smoke(tmp_path):
+    out = run_bench("agent", tmp_path)
+    (rec,) = out["records"]
+    assert set(rec["variants"]) == {"wave", "free", "padded"}
+    for v in rec["variants"].values():
+        for key in ("episodes_per_s_median", "generated_tokens_per_s_median", "generate_s_median", "update_s_median",
+                    "step_s_median", "forward_tokens_median"):
+            assert _positive(v[key]), key
+        assert v["requests_mean_median"] == 3 and "task.agent=agent_harness:run" in v["commands"][0]
+    # the group's prompt is fed once packed, once per episode padded (and padding on top)
+    assert rec["padded_over_packed_forward_tokens"] > 1 and _positive(rec["free_over_wave_episodes_per_s"])
