@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import anthropic
 import httpx
 import openai
 
@@ -110,6 +111,24 @@ def is_title(request: dict) -> bool:
     return str(request["messages"][0].get("content", "")).startswith("Title:")
 
 
+async def claude(ctx):
+    """Anthropic's client: a system prompt, the add tool, two turns, each answer echoed back as it came."""
+    client = anthropic.AsyncAnthropic(base_url=ctx.anthropic_base_url, api_key=ctx.api_key, max_retries=0)
+    tools = [{"name": "add", "description": "a + b", "input_schema": TOOLS[0]["function"]["parameters"]}]
+    messages = [{"role": "user", "content": ctx.messages[-1]["content"]}]
+    entry = RECORD.setdefault(ctx.base_url, {"kind": "claude", "turns": []})
+    for _ in range(2):
+        reply = await client.messages.create(model=ctx.model, max_tokens=6, system="Be brief.", messages=messages,
+                                             tools=tools)
+        entry["turns"].append(reply.model_dump())
+        messages += [{"role": "assistant", "content": [b.model_dump() for b in reply.content]},
+                     {"role": "user", "content": [{"type": "text", "text": "Go on."}]}]
+    try:
+        await client.messages.create(model="claude-x", max_tokens=6, messages=messages)
+    except anthropic.NotFoundError as e:
+        entry["error"] = (e.status_code, e.body["error"]["type"])
+
+
 async def raises(ctx):
     r = await _client(ctx).chat.completions.create(model=ctx.model, messages=ctx.messages, **ASK)
     _note(ctx, r)
@@ -169,8 +188,8 @@ async def errors(ctx):
         await attempt(f"turn{k}", client.chat.completions.create(model=ctx.model, messages=user, max_tokens=1))
 
 
-KINDS = {f.__name__: f for f in (react, blocking, branching, editing, completion, titled, raises, hangs, silent,
-                                  errors)}
+KINDS = {f.__name__: f for f in (react, blocking, branching, editing, completion, titled, claude, raises, hangs,
+                                  silent, errors)}
 
 
 def dispatch(ctx):

@@ -23,8 +23,8 @@ from distflow.rollout.agents.episodes import AgentRunner
 from distflow.rollout.hf_engine import HFEngine
 from distflow.tasks.prompts import PromptEncoder, PromptItem
 
-KINDS = ["react", "react", "blocking", "branching", "editing", "completion", "titled", "raises", "hangs", "silent",
-         "errors"]
+KINDS = ["react", "react", "blocking", "branching", "editing", "completion", "titled", "claude", "raises", "hangs",
+         "silent", "errors"]
 TIMEOUT_S = 4.0
 
 
@@ -131,6 +131,14 @@ def test_branches_restarts_and_completions(episodes):
     s = samples[KINDS.index("titled")]
     _check_exact(s, titled["turns"])
     assert s.episode.excluded == 1 and s.episode.restarts == 0 and s.episode.requests == 3 and titled["title"]
+    # Anthropic's client: its answers echoed back as content blocks continue the trajectory
+    claude = _record(episodes, KINDS.index("claude"))
+    s = samples[KINDS.index("claude")]
+    assert s.episode.requests == 2 and s.episode.turns == 2 and s.episode.restarts == 0, s.episode
+    first = claude["turns"][0]
+    assert first["type"] == "message" and first["stop_reason"] in ("end_turn", "max_tokens") and first["content"]
+    assert first["usage"]["input_tokens"] == len(s.prompt_ids) and s.mask.count(0) > 0
+    assert claude["error"] == (404, "invalid_request_error")
 
 
 def test_a_failing_hanging_or_silent_harness_ends_only_its_episode(episodes):
@@ -142,9 +150,9 @@ def test_a_failing_hanging_or_silent_harness_ends_only_its_episode(episodes):
     assert TIMEOUT_S <= episodes["took"] < TIMEOUT_S + 30  # the hanging one was cut at its deadline
     # one line for each kind, the first time (later ones are counted in agent/failed and agent/cut)
     assert episodes["warnings"] == [
-        "agent episode 9: the harness ran past agent.episode_timeout_s=4.0 of its own time; cut, its turns kept as a "
+        "agent episode 10: the harness ran past agent.episode_timeout_s=4.0 of its own time; cut, its turns kept as a "
         "truncated sample (logged once, later ones only counted in agent/cut)",
-        "agent episode 8: the harness failed: RuntimeError: the harness broke; its turns are kept (logged once, later "
+        "agent episode 9: the harness failed: RuntimeError: the harness broke; its turns are kept (logged once, later "
         "ones only counted in agent/failed)"]
 
 

@@ -10,7 +10,14 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from distflow.rollout.agents.messages import BadRequest, assistant_turn, template_message, turn_key
+from distflow.rollout.agents.messages import (
+    BadRequest,
+    anthropic_content,
+    anthropic_request,
+    assistant_turn,
+    template_message,
+    turn_key,
+)
 from distflow.rollout.agents.trajectories import TrajectoryBook
 from distflow.rollout.episodes import ObservationEncoder
 from distflow.sample import Sample
@@ -162,3 +169,29 @@ def test_openai_messages_and_tool_calls_convert_both_ways():
                          "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}, "not valid JSON")]:
         with pytest.raises(BadRequest, match=words):
             template_message(bad, "messages[1]")
+
+
+def test_anthropic_messages_convert_both_ways():
+    api, template = assistant_turn('Adding. <tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>', True, "c")
+    blocks = anthropic_content(api)
+    assert blocks == [{"type": "text", "text": "Adding."}, {"type": "tool_use", "id": "c-0", "name": "add",
+                                                            "input": {"a": 2}}]
+    body = {"system": [{"type": "text", "text": "Be brief."}],
+            "messages": [{"role": "user", "content": "2 + 3?"}, {"role": "assistant", "content": blocks},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c-0", "content": "5"},
+                                                      {"type": "text", "text": "So?"}]}],
+            "tools": [{"name": "add", "description": "a + b", "input_schema": {"type": "object"}}]}
+    messages, tools = anthropic_request(body)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "user"]
+    assert turn_key(messages[2]) == turn_key(template)  # the echoed turn is the recorded one
+    assert messages[3] == {"role": "tool", "tool_call_id": "c-0", "content": "5"}
+    assert tools == [{"type": "function", "function": {"name": "add", "description": "a + b",
+                                                       "parameters": {"type": "object"}}}]
+    assert anthropic_content(assistant_turn("", False, "c")[0]) == [{"type": "text", "text": ""}]
+    for bad, words in [({"messages": []}, "non-empty list"),
+                       ({"messages": [{"role": "system", "content": "x"}]}, "user or assistant"),
+                       ({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "'image' block"),
+                       ({"messages": [{"role": "user", "content": [{"type": "tool_use", "name": "f"}]}]},
+                        "'tool_use' block is not supported in a user turn")]:
+        with pytest.raises(BadRequest, match=words):
+            anthropic_request(bad)

@@ -2,11 +2,14 @@
 
     POST /e/<episode>/v1/chat/completions   messages, tools, n, max_tokens, logprobs
     POST /e/<episode>/v1/completions        prompt (text or token ids), n, max_tokens, logprobs
+    POST /e/<episode>/v1/messages           Anthropic's Messages: system, messages, tools, max_tokens
     GET  /e/<episode>/v1/models, /v1/models the served model
 
 An episode's base URL names it, so requests are attributed to their episode without the harness
-saying so, and the bearer key is the run's. Errors are OpenAI's shape ({"error": {message, type,
-code}}) with its status codes, so the `openai` client raises its usual exceptions. The routes only
+saying so, and the key is the run's (`Authorization: Bearer <key>`, or Anthropic's `x-api-key`).
+Errors have OpenAI's shape ({"error": {message, type, code}}), Anthropic's on its route ({"type":
+"error", "error": {type, message}}), with the status codes both use, so either client raises its
+usual exceptions. The routes only
 parse and answer; what a request means (its tokens, the engine, the episode's limits) is the
 gateway's (distflow.rollout.agents.episodes.Gateway).
 """
@@ -35,31 +38,36 @@ class ApiError(Exception):
         self.status, self.message, self.code, self.kind = status, message, code, kind
 
 
-def _error(status: int, message: str, code: str | None, kind: str) -> JSONResponse:
+def _error(status: int, message: str, code: str | None, kind: str, anthropic: bool = False) -> JSONResponse:
+    if anthropic:
+        return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=status)
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status_code=status)
 
 
 def build_app(gateway, api_key: str):
-    """The FastAPI application over `gateway` (chat, complete, model_name), guarded by `api_key`."""
+    """The FastAPI application over `gateway` (chat, complete, messages, model_name), guarded by `api_key`."""
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 
     def authorised(request: Request) -> bool:
-        return secrets.compare_digest(request.headers.get("authorization", ""), f"Bearer {api_key}")
+        return secrets.compare_digest(request.headers.get("authorization", ""), f"Bearer {api_key}") or \
+            secrets.compare_digest(request.headers.get("x-api-key", ""), api_key)
 
-    async def answer(request: Request, call):
+    async def answer(request: Request, call, anthropic: bool = False):
         if not authorised(request):
             return _error(401, "missing or wrong API key (Authorization: Bearer <the episode's api_key>)",
-                          "invalid_api_key", "authentication_error")
+                          "invalid_api_key", "authentication_error", anthropic)
         try:
             body = await request.json()
         except ValueError as e:
-            return _error(400, f"the request body is not valid JSON: {e}", "invalid_json", "invalid_request_error")
+            return _error(400, f"the request body is not valid JSON: {e}", "invalid_json", "invalid_request_error",
+                          anthropic)
         if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object", "invalid_json", "invalid_request_error")
+            return _error(400, "the request body must be a JSON object", "invalid_json", "invalid_request_error",
+                          anthropic)
         try:
             return await call(body)
         except ApiError as e:
-            return _error(e.status, e.message, e.code, e.kind)
+            return _error(e.status, e.message, e.code, e.kind, anthropic)
 
     def models():
         return {"object": "list", "data": [{"id": gateway.model_name, "object": "model", "created": 0,
@@ -81,6 +89,10 @@ def build_app(gateway, api_key: str):
     @app.post("/e/{episode}/v1/completions")
     async def complete(episode: str, request: Request):
         return await answer(request, lambda body: gateway.complete(episode, body))
+
+    @app.post("/e/{episode}/v1/messages")
+    async def messages(episode: str, request: Request):
+        return await answer(request, lambda body: gateway.messages(episode, body), anthropic=True)
 
     return app
 

@@ -35,7 +35,13 @@ import time
 from typing import Any, Callable
 
 from distflow.rollout.agents.endpoint import ApiError, Endpoint, build_app
-from distflow.rollout.agents.messages import BadRequest, assistant_turn, template_message
+from distflow.rollout.agents.messages import (
+    BadRequest,
+    anthropic_content,
+    anthropic_request,
+    assistant_turn,
+    template_message,
+)
 from distflow.rollout.agents.trajectories import TrajectoryBook
 from distflow.config import ConfigError, DistflowConfig
 from distflow.rollout.base import Request
@@ -62,6 +68,12 @@ class AgentContext:
     fields: dict  # the row's other fields
     seed: int
     index: int  # the episode's place in its group
+
+    @property
+    def anthropic_base_url(self) -> str:
+        """The base URL for Anthropic's client (`anthropic.AsyncAnthropic(base_url=..., api_key=...)`),
+        which adds /v1/messages itself."""
+        return self.base_url.removesuffix("/v1")
 
 
 @dataclasses.dataclass
@@ -112,6 +124,7 @@ class Gateway:
 
     # ------------------------------------------------------------------ the routes
     async def chat(self, key: str, body: dict) -> dict:
+        """OpenAI's Chat Completions."""
         episode = self._episode(key)
         self._check_request(body)
         raw = body.get("messages")
@@ -124,17 +137,44 @@ class Gateway:
             messages = [template_message(m, f"messages[{i}]") for i, m in enumerate(raw)]
         except BadRequest as e:
             raise ApiError(400, str(e), "invalid_messages") from None
+        samples, prepared, number, answers = await self._converse(episode, body, messages, tools)
+        choices = []
+        for i, (s, api) in enumerate(zip(samples, answers)):
+            finish = "length" if s.truncated else ("tool_calls" if "tool_calls" in api else "stop")
+            choices.append({"index": i, "message": api, "finish_reason": finish, **self._extras(body, s)})
+        return self._answer("chat.completion", key, number, prepared.context, samples, choices, body)
+
+    async def messages(self, key: str, body: dict) -> dict:
+        """Anthropic's Messages (one answer per request; its tool_use and tool_result blocks)."""
+        episode = self._episode(key)
+        self._check_request(body)
+        if body.get("stop_sequences"):
+            raise ApiError(400, "stop_sequences are not supported: a turn ends at the model's end-of-turn token or "
+                                "max_tokens", "unsupported")
+        try:
+            messages, tools = anthropic_request(body)
+        except BadRequest as e:
+            raise ApiError(400, str(e), "invalid_messages") from None
+        samples, prepared, number, answers = await self._converse(episode, {**body, "n": 1}, messages, tools)
+        s, api = samples[0], answers[0]
+        stop = "max_tokens" if s.truncated else ("tool_use" if "tool_calls" in api else "end_turn")
+        return {"id": f"msg_{key}_{number}", "type": "message", "role": "assistant", "model": self.model_name,
+                "content": anthropic_content(api), "stop_reason": stop, "stop_sequence": None,
+                "usage": {"input_tokens": len(prepared.context), "output_tokens": len(s.response_ids)}}
+
+    async def _converse(self, episode: _Episode, body: dict, messages: list[dict], tools: list[dict] | None):
+        """A chat request's engine answer, recorded in the episode's trajectories (unless the user's
+        filter keeps it apart): (samples, prepared, the request's number, each answer as OpenAI's message)."""
         apart = self._excluded(body)
         book = episode.book
         samples, prepared, number = await self._generate(
             episode, body, (lambda: book.apart(messages, tools)) if apart else (lambda: book.prepare(messages, tools)))
-        choices, turns = [], []
+        answers, turns = [], []
         for i, s in enumerate(samples):
             api, turn = assistant_turn(self.tokenizer.decode(s.response_ids, skip_special_tokens=True),
-                                       tools is not None, f"call-{key}-{number}-{i}")
+                                       tools is not None, f"call-{episode.key}-{number}-{i}")
+            answers.append(api)
             turns.append((s, turn))
-            finish = "length" if s.truncated else ("tool_calls" if "tool_calls" in api else "stop")
-            choices.append({"index": i, "message": api, "finish_reason": finish, **self._extras(body, s)})
         with self.lock:
             if episode.closed:
                 pass
@@ -142,7 +182,7 @@ class Gateway:
                 episode.excluded += 1
             else:
                 book.record(prepared, turns, self.version)
-        return self._answer("chat.completion", key, number, prepared.context, samples, choices, body)
+        return samples, prepared, number, answers
 
     async def complete(self, key: str, body: dict) -> dict:
         episode = self._episode(key)
@@ -348,8 +388,8 @@ class AgentRunner:
 
     def _cut(self, ep: _Episode, inflight: dict[str, _Submission]) -> None:
         self._warn_once("cut", f"agent episode {ep.key}: the harness ran past agent.episode_timeout_s="
-                               f"{self.cfg.agent.episode_timeout_s} of its own time; cut, its turns kept as a truncated "
-                               "sample (logged once, later ones only counted in agent/cut)")
+                               f"{self.cfg.agent.episode_timeout_s} of its own time; cut, its turns kept as a "
+                               "truncated sample (logged once, later ones only counted in agent/cut)")
         with self.gateway.lock:
             ep.closed = ep.cut = True
         ep.harness.cancel()

@@ -1,5 +1,6 @@
-"""OpenAI chat messages at the endpoint's boundary: what a request's messages mean to the chat
-template, when two messages are the same turn, and the assistant message a generated turn becomes.
+"""Chat messages at the endpoint's boundary: what a request's messages (OpenAI's format, or
+Anthropic's Messages) mean to the chat template, when two messages are the same turn, and the
+assistant message a generated turn becomes in each format.
 
 A harness sends OpenAI's format (content as a string or a list of text parts, a tool call's
 arguments as a JSON string); chat templates read Hugging Face's (content a string, arguments an
@@ -109,3 +110,73 @@ def assistant_turn(text: str, with_tools: bool, call_prefix: str) -> tuple[dict,
                 "tool_calls": [{"id": i, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                                for i, c in zip(ids, calls)]}
     return api, template
+
+
+# ---------------------------------------------------------------------------- Anthropic's Messages
+def _anthropic_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise BadRequest(f"{where} must be a string or a list of content blocks")
+    parts = []
+    for k, block in enumerate(content):
+        if not (isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str)):
+            raise BadRequest(f"{where}[{k}]: only text blocks are supported here, got "
+                             f"{block.get('type') if isinstance(block, dict) else type(block).__name__!r}")
+        parts.append(block["text"])
+    return "".join(parts)
+
+
+def anthropic_request(body: dict) -> tuple[list[dict], list[dict] | None]:
+    """An Anthropic Messages request as template messages and OpenAI-format tools: `system` first, a
+    user turn's tool_result blocks as tool messages (then its text, if any), an assistant turn's
+    tool_use blocks as tool calls."""
+    out = []
+    if body.get("system"):
+        out.append({"role": "system", "content": _anthropic_text(body["system"], "system")})
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise BadRequest("messages must be a non-empty list")
+    for i, message in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+            raise BadRequest(f"{where}.role must be user or assistant")
+        content = message.get("content")
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        if not isinstance(blocks, list):
+            raise BadRequest(f"{where}.content must be a string or a list of content blocks")
+        text, calls = [], []
+        for k, block in enumerate(blocks):
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "text" and isinstance(block.get("text"), str):
+                text.append(block["text"])
+            elif kind == "tool_use" and message["role"] == "assistant" and isinstance(block.get("name"), str):
+                if not isinstance(block.get("input", {}), dict):
+                    raise BadRequest(f"{where}.content[{k}].input must be an object")
+                calls.append({"id": block.get("id"), "type": "function",
+                              "function": {"name": block["name"], "arguments": block.get("input", {})}})
+            elif kind == "tool_result" and message["role"] == "user":
+                out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
+                            "content": _anthropic_text(block.get("content", ""), f"{where}.content[{k}].content")})
+            else:
+                raise BadRequest(f"{where}.content[{k}]: a {kind!r} block is not supported in a {message['role']} turn")
+        if message["role"] == "assistant":
+            out.append({"role": "assistant", "content": "".join(text), **({"tool_calls": calls} if calls else {})})
+        elif text:
+            out.append({"role": "user", "content": "".join(text)})
+    tools = body.get("tools") or None
+    if tools is not None:
+        if not (isinstance(tools, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in tools)):
+            raise BadRequest("tools must be a list of {name, description, input_schema} objects")
+        tools = [{"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
+                                                   "parameters": t.get("input_schema", {})}} for t in tools]
+    return out, tools
+
+
+def anthropic_content(api: dict) -> list[dict]:
+    """An assistant message (as assistant_turn returns it for OpenAI) as Anthropic content blocks."""
+    blocks = [{"type": "text", "text": api["content"]}] if api.get("content") else []
+    for call in api.get("tool_calls", []):
+        blocks.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+                       "input": json.loads(call["function"]["arguments"])})
+    return blocks or [{"type": "text", "text": ""}]
