@@ -38,8 +38,8 @@ def test_an_unknown_logger_stops_the_ranks_before_any_weights_load(tmp_path):
 
 @pytest.mark.parametrize("mistake, line", [
     ("validation.at_end=true", "validation needs a held-out split: set task.heldout_path"),
-    ("experiment=smok", ("In 'grpo': Could not find 'experiment/smok' Available options in 'experiment': demo "
-                         "demo_lora smoke tools_smoke tools_smollm2")),
+    ("experiment=smok", ("In 'grpo': Could not find 'experiment/smok' Available options in 'experiment': "
+                         "agent_smoke demo demo_lora smoke tools_smoke tools_smollm2")),
 ])
 def test_a_config_mistake_through_local_sh_is_one_line_and_exit_2(tmp_path, mistake, line):
     """launch/local.sh's pre-flight: one process composes and validates the config; a mistake is
