@@ -626,7 +626,7 @@ FAULTS: list[Fault] = [
     Fault("agent-harness-hangs", "agents", "a harness that never returns",
           (W + "agent episode <N>: the harness ran past agent.episode_timeout_s=<N> of its own time; cut, its turns kept "
                "as a truncated sample (logged once, later ones only counted in agent/cut)",),
-          "the step; the episode's engine requests are aborted and its later requests refused (410)",
+          "the step; the harness is cancelled and its later requests refused (410)",
           "Fix the harness, or raise `agent.episode_timeout_s`.",
           tested_by="tests/unit/test_agent_endpoint.py::test_a_failing_hanging_or_silent_harness_ends_only_its_episode"),
     # reward module

@@ -14,10 +14,10 @@ all the rank's episodes batch together, as many as the harnesses keep open.
 An episode ends when its harness returns (a number is its reward, added to what the task's
 reward functions give the final answer, as an environment's step rewards are; None leaves the
 reward to them), raises (counted as failed), or spends more than agent.episode_timeout_s of its
-own time, time with no request out (cut: its engine requests are aborted and its later ones
-refused; the time its requests wait for the engine is not its own). Every episode yields one training row:
-the trajectory of its last request (distflow.rollout.agents.trajectories), or an empty response when the
-harness never asked anything. Nothing an episode does stops the others.
+own time, time with no request out (cut: the harness is cancelled and its later requests refused;
+the time its requests wait for the engine is not its own). Every episode yields one training
+row: the trajectory of its last request (distflow.rollout.agents.trajectories), or an empty
+response when the harness never asked anything. Nothing an episode does stops the others.
 """
 
 from __future__ import annotations
@@ -356,7 +356,7 @@ class AgentRunner:
                 if not ep.harness.done() and id(ep) not in out:
                     ep.busy_s += elapsed
                     if ep.busy_s > limit:
-                        self._cut(ep, inflight)
+                        self._cut(ep)
             live = [ep for ep in episodes if not ep.harness.done()]
             release = not wave or all(id(ep) in out for ep in live)
             if release and held:
@@ -386,20 +386,15 @@ class AgentRunner:
             self._warned.add(kind)
             log.warning(" ".join(message.split()))
 
-    def _cut(self, ep: _Episode, inflight: dict[str, _Submission]) -> None:
+    def _cut(self, ep: _Episode) -> None:
+        """End an episode whose harness ran past its own time. It has no request out (time waiting for
+        the engine is not its own), so nothing runs in the engine for it; later requests get 410."""
         self._warn_once("cut", f"agent episode {ep.key}: the harness ran past agent.episode_timeout_s="
                                f"{self.cfg.agent.episode_timeout_s} of its own time; cut, its turns kept as a "
                                "truncated sample (logged once, later ones only counted in agent/cut)")
         with self.gateway.lock:
             ep.closed = ep.cut = True
         ep.harness.cancel()
-        mine = [rid for rid, sub in inflight.items() if sub.episode is ep]
-        if mine:
-            self.engine.abort(mine)
-        for rid in mine:
-            inflight.pop(rid).future.set_exception(
-                ApiError(408, f"the harness ran past agent.episode_timeout_s={self.cfg.agent.episode_timeout_s}",
-                         "episode_timeout"))
 
     # ------------------------------------------------------------------ the harness's side
     def _context(self, ep: _Episode, item: PromptItem, index: int) -> AgentContext:
