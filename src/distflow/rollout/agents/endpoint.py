@@ -11,12 +11,11 @@ Errors have OpenAI's shape ({"error": {message, type, code}}), Anthropic's on it
 "error", "error": {type, message}}), with the status codes both use, so either client raises its
 usual exceptions. The routes only
 parse and answer; what a request means (its tokens, the engine, the episode's limits) is the
-gateway's (distflow.rollout.agents.episodes.Gateway).
+gateway's (distflow.rollout.agents.gateway).
 """
 
 from __future__ import annotations
 
-import logging
 import secrets
 import socket
 import threading
@@ -26,9 +25,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from distflow.config import ConfigError
-
-log = logging.getLogger("distflow")
-
 
 class ApiError(Exception):
     """A refused request: the HTTP status, OpenAI's error type and code, and the message."""
