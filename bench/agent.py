@@ -10,7 +10,7 @@ variants: `wave` (agent.wait=wave, optim.shared_prefix=on: the baseline), `free`
 (agent.wait=free) and `padded` (optim.shared_prefix=off); step 1 of each is a warm-up. Per
 variant: episodes and generated tokens per second of generation, generate/update/step seconds,
 the update's forward tokens (`update/forward_tokens`), and the ratios against `wave`. Writes
-bench/results/agent.json (--smoke: the tiny model, the HF engine, 2 steps, one launch each, at once).
+bench/results/agent.json (--smoke: the tiny model, the HF engine, 1 process, 2 steps, one launch each, at once).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def launch(args, model: str, variant: str, repeat: int, wd) -> dict:
              *VARIANTS[variant]]
     cmd = C.distflow_overrides(model, out, args.steps, s["prompts_per_rank"], s["group_size"], s["max_new_tokens"],
                                s["lr"], C.engine(args), extra)
-    nproc = 2
+    nproc = 1 if args.smoke else 2  # (--smoke: the script's check, not a measurement)
     C.torchrun(C.GRPO, cmd, nproc, wd / f"{tag}.log",
                extra_env={"AGENT_BENCH_TURNS": str(args.turns), "AGENT_BENCH_TOOL_MS": str(args.tool_ms)})
     ms = C.read_metrics(out)[1:] or C.read_metrics(out)  # step 1 is the warm-up (a smoke run keeps it)
@@ -46,7 +46,7 @@ def launch(args, model: str, variant: str, repeat: int, wd) -> dict:
             "generate_s": [m["timing/generate_s"] for m in ms], "update_s": [m["timing/update_s"] for m in ms],
             "step_s": [m["timing/step_s"] for m in ms], "forward_tokens": [m["update/forward_tokens"] for m in ms],
             "requests_mean": [m["agent/requests_mean"] for m in ms],
-            "command": "torchrun --standalone --nproc_per_node 2 recipes/grpo.py " + " ".join(cmd)}
+            "command": f"torchrun --standalone --nproc_per_node {nproc} recipes/grpo.py " + " ".join(cmd)}
 
 
 def main() -> None:
@@ -66,7 +66,7 @@ def main() -> None:
         for (v, _), rec in zip(order, C.each(lambda vr: launch(args, model, vr[0], vr[1], wd), order,
                                              together=args.smoke)):
             runs[v].append(rec)
-        rec = {"model": model, "processes": 2, "turns": args.turns, "tool_ms": args.tool_ms, "variants": {}}
+        rec = {"model": model, "processes": 1 if args.smoke else 2, "turns": args.turns, "tool_ms": args.tool_ms, "variants": {}}
         for v, launches in runs.items():
             flat = {k: [x for run in launches for x in run[k]] for k in launches[0] if k != "command"}
             rec["variants"][v] = {**{f"{k}_median": statistics.median(xs) for k, xs in flat.items()},
@@ -80,7 +80,7 @@ def main() -> None:
         rows = [[v, f"{x['episodes_per_s_median']:.2f}", f"{x['generated_tokens_per_s_median']:.0f}",
                  f"{x['generate_s_median']:.2f}", f"{x['update_s_median']:.2f}", f"{x['step_s_median']:.2f}",
                  f"{x['forward_tokens_median']:.0f}"] for v, x in rec["variants"].items()]
-        print(f"{model}: {args.turns} requests per episode, {args.tool_ms:g} ms tool latency, 2 processes")
+        print(f"{model}: {args.turns} requests per episode, {args.tool_ms:g} ms tool latency, {rec['processes']} processes")
         print(C.table(["variant", "episodes/s", "generated tok/s", "generate s", "update s", "step s",
                        "forward tokens"], rows))
         print(f"free / wave episodes/s: {rec['free_over_wave_episodes_per_s']:.2f}; padded / packed forward tokens: "
