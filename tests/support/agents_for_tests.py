@@ -43,7 +43,8 @@ async def react(ctx):
         messages.append(m.model_dump(exclude_none=True))
         for call in m.tool_calls or []:
             args = json.loads(call.function.arguments)
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": str(args.get("a", 0) + args.get("b", 0))})
+            total = args.get("a", 0) + args.get("b", 0)
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": str(total)})
         if not m.tool_calls:
             messages.append({"role": "user", "content": "Observation: think again."})
     return None
@@ -58,6 +59,13 @@ def blocking(ctx):
         _note(ctx, r)
         messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
     return 0.25
+
+
+def blocking_once(ctx):
+    """One request with the blocking client."""
+    r = openai.OpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0).chat.completions.create(
+        model=ctx.model, messages=ctx.messages, max_tokens=2)
+    return float(len(r.choices[0].message.content) >= 0)
 
 
 async def branching(ctx):
@@ -188,8 +196,8 @@ async def errors(ctx):
         await attempt(f"turn{k}", client.chat.completions.create(model=ctx.model, messages=user, max_tokens=1))
 
 
-KINDS = {f.__name__: f for f in (react, blocking, branching, editing, completion, titled, claude, raises, hangs,
-                                  silent, errors)}
+KINDS = {f.__name__: f for f in (react, blocking, blocking_once, branching, editing, completion, titled, claude,
+                                  raises, hangs, silent, errors)}
 
 
 def dispatch(ctx):

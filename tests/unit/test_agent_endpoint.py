@@ -75,9 +75,14 @@ def episodes(tiny_model_dir):
                        _cfg(tiny_model_dir, "free"), agents_for_tests.dispatch)
     loose = free.run(_items(tok)[:5], 1, list(range(100, 105)))
     free.close()
+    # more blocking harnesses at once than a fixed thread pool would hold: each has its thread, and the
+    # wave (every episode with a request out) forms instead of waiting for a thread that never frees
+    crowd = [PromptItem(it.prompt_ids, it.prompt_text, it.answer, {"kind": "blocking_once"}, it.messages)
+             for it in _items(tok)[:2]]
+    crowded = runner.run(crowd, 40, [7, 8])
     logging.getLogger("distflow").removeHandler(warnings)
     yield {"samples": [g[0] for g in groups], "records": records, "took": took, "twice": twice, "free": loose,
-           "runner": runner, "warnings": warnings.lines}
+           "runner": runner, "warnings": warnings.lines, "crowded": [s for g in crowded for s in g]}
     runner.close()
 
 
@@ -147,6 +152,8 @@ def test_a_failing_hanging_or_silent_harness_ends_only_its_episode(episodes):
     assert raised.episode.failed and not raised.episode.cut and len(raised.response_ids) > 0
     assert hung.episode.cut and hung.truncated and len(hung.response_ids) > 0  # its one turn kept
     assert silent.response_ids == [] and silent.episode.requests == 0 and silent.episode.env_reward == 1.0
+    crowded = episodes["crowded"]  # 80 blocking harnesses of one round, none starved of a thread
+    assert len(crowded) == 80 and all(s.episode.requests == 1 and not s.episode.cut for s in crowded)
     assert TIMEOUT_S <= episodes["took"] < TIMEOUT_S + 30  # the hanging one was cut at its deadline
     # one line for each kind, the first time (later ones are counted in agent/failed and agent/cut)
     assert episodes["warnings"] == [

@@ -5,7 +5,7 @@ requests are batched into the rank's step-wise engine.
     groups = runner.run(items, n, seeds)                       # [len(items)][n] Samples
 
 Three threads meet here. The harness's coroutines run on their own event loop (a harness written
-with blocking calls runs in that loop's thread pool); the endpoint's routes run on uvicorn's
+with blocking calls runs in a thread of its own); the endpoint's routes run on uvicorn's
 (distflow.rollout.agents.endpoint, .gateway); the rank's main thread owns the engine. A request becomes a
 `Submission` on a queue; the main thread submits it to the engine, steps the engine while
 anything runs, and resolves each request's future when its samples finish, so the requests of
@@ -79,8 +79,7 @@ class AgentRunner:
         port = cfg.agent.port + local_rank if cfg.agent.port else 0
         self.endpoint = Endpoint(build_app(self.gateway, self.api_key), cfg.agent.host, port)
         self.loop = asyncio.new_event_loop()
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="distflow-harness")
-        self.loop.set_default_executor(self.pool)
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None  # a round's blocking harnesses
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="distflow-harness-loop")
         self.thread.start()
         self.counter = 0
@@ -90,6 +89,10 @@ class AgentRunner:
     def run(self, items: list[PromptItem], n: int, seeds: list[int], greedy: bool = False) -> list[list[Sample]]:
         g = self.gateway
         g.greedy, g.version = greedy, self.engine.version
+        # a thread for every blocking harness of the round: with fewer, one not yet started would hold
+        # the engine's wave (it has no request out) while the started ones wait on the engine
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(items) * n),
+                                                          thread_name_prefix="distflow-harness")
         episodes = []
         for i, item in enumerate(items):
             for j in range(n):
@@ -100,6 +103,7 @@ class AgentRunner:
                 ep.harness = asyncio.run_coroutine_threadsafe(self._call(self._context(ep, item, j)), self.loop)
                 episodes.append(ep)
         self._pump(episodes)
+        self.pool.shutdown(wait=False)  # a cut blocking harness keeps its thread until it returns
         with g.lock:
             for ep in episodes:
                 ep.closed = True
@@ -174,10 +178,10 @@ class AgentRunner:
 
     async def _call(self, ctx: AgentContext):
         """The harness's result: a coroutine function awaited on the loop, any other function run in
-        the loop's thread pool (blocking clients welcome), and what it returns awaited if awaitable."""
+        a thread of the round's pool (blocking clients welcome), and what it returns awaited if awaitable."""
         if inspect.iscoroutinefunction(self.harness):
             return await self.harness(ctx)
-        result = await asyncio.get_running_loop().run_in_executor(None, self.harness, ctx)
+        result = await asyncio.get_running_loop().run_in_executor(self.pool, self.harness, ctx)
         return await result if inspect.isawaitable(result) else result
 
     def _sample(self, ep: Episode, item: PromptItem) -> Sample:
@@ -208,4 +212,5 @@ class AgentRunner:
         self.endpoint.close()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
