@@ -140,13 +140,13 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
     out.update(model_reward_metrics(g, scorers))
     if teacher:
         out.update(distill.distill_metrics([g[f"distill/v{k}"] for k in range(distill.SIZE)]))
+    if cfg.task.env or cfg.task.agent:  # episodes: per episode, or summed over ranks
+        out.update({"turns/mean": g["turns"] / n, "response_length/generated_mean": g["generated"] / n})
     if cfg.task.env:
-        out.update({"turns/mean": g["turns"] / n, "response_length/generated_mean": g["generated"] / n,
-                    "tool/calls": g["tool_calls"], "tool/errors": g["tool_errors"],
+        out.update({"tool/calls": g["tool_calls"], "tool/errors": g["tool_errors"],
                     "tool/timeouts": g["tool_timeouts"]})
-    if cfg.task.agent:  # per episode, summed over ranks
-        out.update({"turns/mean": g["turns"] / n, "response_length/generated_mean": g["generated"] / n,
-                    **{f"agent/{k}": g[k] for k in AGENT_COUNTS}, "agent/requests_mean": g["requests"] / n})
+    if cfg.task.agent:
+        out.update({**{f"agent/{k}": g[k] for k in AGENT_COUNTS}, "agent/requests_mean": g["requests"] / n})
     if cfg.run.balance_lengths:
         out.update({f"balance/{k}": v for k, v in stats.balance.items()})
     if carryover:  # token-weighted over the trained groups' generated tokens, as verl's staleness keys

@@ -100,7 +100,6 @@ class ShardedModel:
                     p.data = p.data.to(compute)
         # pinned host memory makes the copies asynchronous; there is none to pin without CUDA
         placement = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
-        self.offloaded = offload
         for block in blocks:
             fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=placement)
         fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=placement)

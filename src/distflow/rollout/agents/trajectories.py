@@ -28,6 +28,11 @@ from distflow.sample import EpisodeInfo, Sample
 COMPLETION = "<completions>"  # the `tools` of a /v1/completions trajectory: chat requests never extend one
 
 
+def _offered(tools: list[dict] | None) -> str | None:
+    """The tools a request offers, as canonical JSON (what a trajectory is matched on)."""
+    return json.dumps(tools, sort_keys=True) if tools else None
+
+
 @dataclass
 class Trajectory:
     """A conversation as token ids: the first request's rendered prompt, then each generated turn
@@ -106,7 +111,7 @@ class TrajectoryBook:
         """The context of a chat request: a recorded trajectory's exact ids plus the new messages, or
         the rendered conversation. BadRequest (context_length_exceeded) when it leaves no room to generate."""
         keys = [turn_key(m) for m in messages]
-        offered = json.dumps(tools, sort_keys=True) if tools else None
+        offered = _offered(tools)
         base = max((t for t in self.trajectories
                     if t.tools == offered and len(t.keys) < len(keys) and keys[:len(t.keys)] == t.keys),
                    key=lambda t: len(t.keys), default=None)
@@ -119,8 +124,7 @@ class TrajectoryBook:
     def apart(self, messages: list[dict], tools: list[dict] | None) -> Prepared:
         """The context of a request that is not part of the episode's trajectories (task.agent_exclude):
         the rendered conversation, matched against nothing and never recorded."""
-        offered = json.dumps(tools, sort_keys=True) if tools else None
-        return self._start(self.encode_prompt(messages, tools)[0], messages, offered, counts=False)
+        return self._start(self.encode_prompt(messages, tools)[0], messages, _offered(tools), counts=False)
 
     def prepare_text(self, prompt: str | list[int]) -> Prepared:
         """The context of a completion request: a trajectory's exact ids when the prompt continues it
@@ -169,14 +173,12 @@ class TrajectoryBook:
             base = prepared.base
             if base is None:
                 t = Trajectory(list(prepared.context), prepared.tools, prompt_messages=len(prepared.messages))
-                messages, observation = prepared.messages, []
             else:
                 unchanged = len(base.ids) == prepared.base_ids and len(base.keys) == prepared.base_messages
                 t = base if k == 0 and unchanged else base.fork(prepared.base_ids, prepared.base_messages)
-                messages, observation = prepared.messages, prepared.observation
             if t is not base:
                 self.trajectories.append(t)
-            t.extend(messages, observation, sample, turn, version)
+            t.extend(prepared.messages, prepared.observation, sample, turn, version)
             if prepared.text is not None:
                 t.text = prepared.text + turn["content"]
             out.append(t)
