@@ -14,13 +14,14 @@
 from __future__ import annotations
 
 import math
+import random
 
 import numpy as np
 import pytest
 import torch
 
-from advantage_helpers import TOKEN_ESTIMATORS, estimate, random_batch
-from distflow.algorithms import local_sum
+from advantage_helpers import TOKEN_ESTIMATORS, cfg, estimate, random_batch
+from distflow.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, local_sum
 
 EPS = 1e-6
 GROUP_RELATIVE = ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline")
@@ -195,3 +196,57 @@ def test_shards_equal_one_process(name):
     if name.startswith("reinforce_pp"):  # the reducer really is used: local statistics would differ
         local_only = estimate(name, scores[8:20], token_rewards[8:20], lengths[8:20], size, 0.95)
         assert not torch.allclose(local_only, pieces[2])
+
+
+# ----------------------------------------------------------------------------- samples of several rows
+
+def _split_rows(seed):
+    """6 samples (3 groups of 2), each cut into 1-3 rows of random lengths: (scores, per-sample token
+    lists of (token reward, teacher log ratio), the row lengths of each sample)."""
+    rng = random.Random(seed)
+    scores = [0.5, 0.5, 1.0, 0.0, rng.random(), rng.random()]  # the first group equal (no token rewards)
+    cuts = [[rng.randint(0, 4) for _ in range(rng.choice([1, 2, 3]))] for _ in scores]
+    # token rewards in 1/64ths: their sums are exact in any order, so both layouts add the same scalar
+    tokens = [[(rng.randint(-6, 6) / 64 * (i >= 2), rng.uniform(-1, 1)) for _ in range(sum(c))]
+              for i, c in enumerate(cuts)]
+    return scores, tokens, cuts
+
+
+def _inputs(scores, rows, sample_of=None):
+    """AdvantageInputs of `rows` (lists of (token reward, teacher log ratio)) padded to one width."""
+    width = max([1, *(len(r) for r in rows)])
+    mask = torch.tensor([[1.0] * len(r) + [0.0] * (width - len(r)) for r in rows])
+    tr = torch.tensor([[x for x, _ in r] + [0.0] * (width - len(r)) for r in rows])
+    ratio = torch.tensor([[y for _, y in r] + [0.0] * (width - len(r)) for r in rows])
+    of = None if sample_of is None else torch.tensor(sample_of)
+    return AdvantageInputs(torch.tensor(scores), tr * mask, mask, None, ratio * mask, of), mask
+
+
+@pytest.mark.parametrize("name", ["grpo", "drgrpo", "rloo", "reinforce_pp_baseline", "distill", "reinforce_pp"])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_sample_of_several_rows_has_the_advantages_of_its_rows_joined(name, seed):
+    """A sample trained as several rows (a harness episode's branches) gets, token for token, the
+    advantages it would get as one row holding all their tokens: the group statistics are the samples',
+    the token rewards summed over all its rows. (REINFORCE++ with gamma = 1 and no token rewards: every
+    token's return is the outcome on either layout.)"""
+    scores, tokens, cuts = _split_rows(seed)
+    if name == "reinforce_pp":
+        tokens = [[(0.0, y) for _, y in t] for t in tokens]
+    rows, sample_of = [], []
+    for i, (t, c) in enumerate(zip(tokens, cuts)):
+        starts = np.cumsum([0, *c])
+        rows += [t[a:b] for a, b in zip(starts[:-1], starts[1:])]
+        sample_of += [i] * len(c)
+    a = cfg(name, 2)
+    a.distill_reward_weight = 0.5
+    split, split_mask = _inputs(scores, rows, sample_of)
+    whole, whole_mask = _inputs(scores, tokens)
+    estimator = ADVANTAGE_ESTIMATORS[a.advantage]
+    got, expected = estimator(split, a, local_sum)[0], estimator(whole, a, local_sum)[0]
+    got_tokens = [[float(got[k, j]) for j in range(len(r))] for k, r in enumerate(rows)]
+    joined = [[x for k in range(len(rows)) if sample_of[k] == i for x in got_tokens[k]] for i in range(len(scores))]
+    for i, t in enumerate(tokens):
+        assert joined[i] == pytest.approx([float(expected[i, j]) for j in range(len(t))], rel=1e-6, abs=1e-7)
+    assert all(float(v) == 0.0 for v in got[split_mask == 0])
+    if name in GROUP_RELATIVE:  # the equal group: exactly 0 on every row
+        assert all(x == 0.0 for k in range(len(rows)) if sample_of[k] < 2 for x in got_tokens[k])

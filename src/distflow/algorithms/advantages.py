@@ -15,6 +15,10 @@ rank), GAE per token with the critic's values.
 Equal groups: a group whose rewards are all equal carries no signal, and every group-relative
 estimator gives it exactly 0 — not the ulp noise of a float32 mean divided by a std of 0 + eps.
 
+A sample may train as several rows (a harness episode's branches, `AdvantageInputs.sample_of`):
+scores stay one per sample, group statistics are the samples', and each row carries its sample's
+advantage (per token: its sample's outcome reward on its own last token).
+
 All samples of a group live on one rank, so group statistics are local. Batch-wide statistics
 (REINFORCE++ whitening) come only through `global_sum`, which must sum a short list of floats
 over all ranks (`distflow.distributed.all_reduce` does; `local_sum` is the 1-process case). It is
@@ -35,7 +39,8 @@ GlobalSum = Callable[[list], Union[Sequence[float], torch.Tensor]]
 
 @dataclass(frozen=True)
 class AdvantageInputs:
-    """What an estimator sees, for the N samples of a rank (group-major)."""
+    """What an estimator sees, for the N samples of a rank (group-major): scores per sample, the
+    [rows, R] tensors per row (one per sample unless `sample_of` maps them)."""
 
     scores: torch.Tensor  # [N] outcome reward per sample, after shaping (distflow.rollout.scoring.shape_rewards)
     token_rewards: torch.Tensor  # [N, R] per-token rewards (e.g. -beta * KL), 0 on padding
@@ -43,11 +48,21 @@ class AdvantageInputs:
     values: Optional[torch.Tensor] = None  # [N, R] the critic's V(state before token t), for GAE
     # [N, R] log pi_student - log pi_teacher of each sampled token, for on-policy distillation
     teacher_log_ratio: Optional[torch.Tensor] = None
+    # [rows] the sample each row belongs to, when a sample trains as several rows; None: row i is sample i
+    sample_of: Optional[torch.Tensor] = None
 
     def sequence_rewards(self) -> torch.Tensor:
-        """[N] float32: each sample's outcome reward plus the sum of its valid token rewards."""
+        """[N] float32: each sample's outcome reward plus the sum of its valid token rewards (over
+        all its rows)."""
         m = self.mask.to(torch.float32)
-        return self.scores.reshape(-1).to(torch.float32) + (self.token_rewards.to(torch.float32) * m).sum(-1)
+        scores, tokens = self.scores.reshape(-1).to(torch.float32), (self.token_rewards.to(torch.float32) * m).sum(-1)
+        if self.sample_of is not None:
+            tokens = torch.zeros_like(scores).index_add_(0, self.sample_of.to(scores.device), tokens)
+        return scores + tokens
+
+    def per_row(self, x: torch.Tensor) -> torch.Tensor:
+        """A per-sample [N, ...] tensor as per row."""
+        return x if self.sample_of is None else x[self.sample_of.to(x.device)]
 
 
 Estimator = Callable[[AdvantageInputs, AlgorithmConfig, GlobalSum], tuple[torch.Tensor, Optional[torch.Tensor]]]
@@ -135,7 +150,7 @@ def _outcome_token_rewards(inputs: AdvantageInputs, dtype: torch.dtype = torch.f
     token_rewards = inputs.token_rewards.to(dtype) * m
     last = last_valid_index(m)
     rows = (last >= 0).nonzero().flatten()
-    token_rewards[rows, last[rows]] += inputs.scores.reshape(-1).to(dtype)[rows]
+    token_rewards[rows, last[rows]] += inputs.per_row(inputs.scores.reshape(-1).to(dtype))[rows]
     return token_rewards
 
 
@@ -177,9 +192,9 @@ def reinforce_pp_baseline_advantages(inputs: AdvantageInputs, cfg: AlgorithmConf
     m = inputs.mask.to(torch.float32)
     scalar = inputs.sequence_rewards()
     groups = scalar.view(-1, cfg.group_size)
-    centered = _zero_equal_groups(groups - groups.mean(dim=1, keepdim=True), groups).reshape(-1)
-    adv = whiten_global(centered[:, None] * m, global_sum, cfg.eps, mask=m)
-    equal = equal_groups(groups).repeat_interleave(cfg.group_size)
+    centered = inputs.per_row(_zero_equal_groups(groups - groups.mean(dim=1, keepdim=True), groups).reshape(-1))
+    adv = whiten_global(centered[:, None].to(m.device) * m, global_sum, cfg.eps, mask=m)
+    equal = inputs.per_row(equal_groups(groups).repeat_interleave(cfg.group_size)).to(m.device)
     return torch.where(equal[:, None], torch.zeros_like(adv), adv), None
 
 
@@ -214,7 +229,7 @@ def sequence_estimator(fn: Callable[[torch.Tensor, AlgorithmConfig, GlobalSum], 
     def estimate(inputs: AdvantageInputs, cfg: AlgorithmConfig, global_sum: GlobalSum):
         m = inputs.mask.to(torch.float32)
         scalar = inputs.sequence_rewards()
-        adv = fn(scalar.view(-1, cfg.group_size), cfg, global_sum).reshape(-1)
+        adv = inputs.per_row(fn(scalar.view(-1, cfg.group_size), cfg, global_sum).reshape(-1))
         return adv[:, None].to(m.device) * m, None
 
     estimate.__name__ = estimate.__qualname__ = fn.__name__

@@ -37,7 +37,8 @@ def distill_advantages(inputs: AdvantageInputs, cfg: AlgorithmConfig,
     m = inputs.mask.to(torch.float32)
     adv = -inputs.teacher_log_ratio.to(torch.float32) * m
     if cfg.distill_reward_weight:
-        task = grpo_advantages(inputs.sequence_rewards().view(-1, cfg.group_size), cfg, global_sum).reshape(-1)
+        task = inputs.per_row(grpo_advantages(inputs.sequence_rewards().view(-1, cfg.group_size), cfg,
+                                              global_sum).reshape(-1))
         adv = adv + cfg.distill_reward_weight * task[:, None].to(m.device) * m
     return adv, None
 
