@@ -28,6 +28,10 @@ class Sample:
     # observation token gets its turn's. None: not recorded (a sample built outside an engine).
     versions: list[int] | None = None
     position: int | None = None  # the prompt's place in the run's global prompt stream (keys its seed)
+    # A harness episode that recorded several trajectories (branches, restarts) trains as these rows,
+    # each holding only the tokens it generated itself (its shared prefix is its prompt), with this
+    # sample's reward and advantage; None: the sample is its own one row.
+    rows: "list[Sample] | None" = None
 
     @property
     def generated(self) -> int:
@@ -59,6 +63,15 @@ class EpisodeInfo:
     def final_text(self) -> str:
         """The model's last turn: the answer a task reward scores."""
         return next((m["content"] for m in reversed(self.transcript) if m["role"] == "assistant"), "")
+
+
+def training_rows(samples: list[Sample]) -> tuple[list[Sample], list[int] | None]:
+    """The rows a step trains on, sample by sample, and the sample each row belongs to (None when
+    every sample is its own row)."""
+    if all(s.rows is None for s in samples):
+        return samples, None
+    rows = [r for s in samples for r in (s.rows or [s])]
+    return rows, [i for i, s in enumerate(samples) for _ in (s.rows or [s])]
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

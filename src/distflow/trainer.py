@@ -39,6 +39,7 @@ from distflow.rollout import Rollout, Validator
 from distflow.rollout.schedule import bound_problem
 from distflow.run.faults import FaultInjector
 from distflow.run.preemption import StepBoundary, Stopped, StopSignal
+from distflow.sample import training_rows
 from distflow.startup import start_run
 from distflow.tasks import Task
 from distflow.train.learner import Learner
@@ -129,7 +130,7 @@ class Trainer:
         with phase("sync"):  # wakes the engine: weights, reload, KV cache
             self.sync_weights()
         with phase("probe"):
-            probe = self.probe.after_sync(self.step, rollouts.samples, batch.tokens)
+            probe = self.probe.after_sync(self.step, training_rows(rollouts.samples)[0], batch.tokens)
         timing["step"] = time.perf_counter() - t0
         timing["wait"] = waited_s() - waited0  # blocked in distflow's collectives, waiting for peers
         record = StepRecord(self.step, rollouts, rewards, result, timing, self.learner.policy.lr, probe, model_sums)

@@ -300,14 +300,16 @@ def test_models_in_the_loop_train_and_resume_exactly(runs):
 
 
 def test_harness_episodes_train_and_resume_exactly(runs):
-    """A harness's episodes through each rank's endpoint: two requests each, every one continuing
+    """A harness's episodes through each rank's endpoint: two requests each, the first with two
+    choices (each episode trains two rows: the second choice is a branch), every request continuing
     its trajectory (no restart), the probe exact after each resync; a run stopped after step 1 and
     continued equals one run straight through (agent.wait=wave: the engine's batches, hence its
     logprobs, do not depend on when the harnesses' requests arrived)."""
     straight = _trained(runs, "agent_straight", steps=2)
     for r in straight:
         assert r["agent/requests_mean"] == 2 and r["turns/mean"] == 2, r
-        assert r["agent/restarts"] == r["agent/cut"] == r["agent/failed"] == r["agent/branches"] == 0, r
+        assert r["agent/restarts"] == r["agent/cut"] == r["agent/failed"] == 0, r
+        assert r["agent/branches"] == r["agent/requests"] / 2 > 0, r  # the second choice: a row of its own
         assert r["sync/max_abs_logprob_diff"] <= 1e-5 and r["grad_norm"] > 0, r
     _trained(runs, "agent_first_half", steps=1)
     assert [stable_metrics(r) for r in straight] == [stable_metrics(r) for r in _trained(runs, "agent_continued", steps=2)]

@@ -1,6 +1,7 @@
 """Harness episodes end to end: the docs' `experiment=agent_smoke` command on 2 ranks with vLLM in
-float32, where a two-request harness (tests/support/agents_for_tests.py:two_turns) talks to each
-rank's endpoint through the `openai` client. The engine's logprob of every trained token matches
+float32, where a two-request harness (tests/support/agents_for_tests.py:two_turns, two choices
+first) talks to each rank's endpoint through the `openai` client. The engine's logprob of every
+trained token (both choices' rows) matches
 the trainer's to float32 rounding (a token the endpoint re-tokenized instead of keeping would
 show here), the probe is exact, and each rank served its own endpoint. (Token-for-token checks
 against the endpoint's answers, the bad requests and a bit-exact resume run in-process:
@@ -28,6 +29,7 @@ def test_harness_episodes_train_on_vllm_with_the_tokens_the_engine_sampled(tmp_p
     for r in rows:
         assert r["agent/requests_mean"] == 2 and r["turns/mean"] == 2, r
         assert r["agent/restarts"] == r["agent/failed"] == r["agent/cut"] == 0, r
+        assert r["agent/branches"] == r["agent/requests"] / 2, r  # n=2 first: the second choice trains too
         assert r["response_length/generated_mean"] < r["response_length/mean"], r  # the messages between turns
         assert r["mismatch/abs_max"] < 1e-5 and r["sync/max_abs_logprob_diff"] < 1e-5, r
         assert r["grad_norm"] > 0, r

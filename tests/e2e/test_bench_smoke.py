@@ -285,11 +285,14 @@ def test_distill_smoke(tmp_path):
 def test_agent_smoke(tmp_path):
     out = run_bench("agent", tmp_path)
     (rec,) = out["records"]
-    assert set(rec["variants"]) == {"wave", "free", "padded"}
-    for v in rec["variants"].values():
+    assert set(rec["variants"]) == {"wave", "free", "padded", "n4", "n4_padded"}
+    for name, v in rec["variants"].items():
         for key in ("episodes_per_s_median", "generated_tokens_per_s_median", "generate_s_median", "update_s_median",
                     "step_s_median", "forward_tokens_median"):
             assert _positive(v[key]), key
         assert v["requests_mean_median"] == 3 and "task.agent=agent_harness:run" in v["commands"][0]
-    # the group's prompt is fed once packed, once per episode padded (and padding on top)
+        assert v["rows_per_episode_median"] == (4 if name.startswith("n4") else 1), (name, v)
+    # the group's prompt is fed once packed, once per episode padded (and padding on top); the n choices'
+    # shared prompt once per request packed, once per row padded
     assert rec["padded_over_packed_forward_tokens"] > 1 and _positive(rec["free_over_wave_episodes_per_s"])
+    assert rec["n4_padded_over_packed_forward_tokens"] > rec["padded_over_packed_forward_tokens"]

@@ -150,11 +150,12 @@ async def hangs(ctx):
 
 
 async def two_turns(ctx):
-    """The trainer's harness: an answer, an observation, another answer; the task's reward scores it."""
+    """The trainer's harness: two choices of an answer (a branch), an observation after the first,
+    another answer; the task's reward scores it."""
     client = _client(ctx)
     messages = list(ctx.messages)
-    for _ in range(2):
-        r = await client.chat.completions.create(model=ctx.model, messages=messages, max_tokens=8)
+    for n in (2, 1):
+        r = await client.chat.completions.create(model=ctx.model, messages=messages, max_tokens=8, n=n)
         messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Check it."}]
 
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import agents_for_tests
 from launch_helpers import ROOT
@@ -22,6 +22,9 @@ from distflow.rollout.agents.endpoint import Endpoint, build_app
 from distflow.rollout.agents.episodes import AgentRunner
 from distflow.rollout.hf_engine import HFEngine
 from distflow.tasks.prompts import PromptEncoder, PromptItem
+from distflow.train.batch import TokenBatch
+from distflow.train.lm_head import token_stats
+from distflow.train.shared_prefix import install, pack, plan_packed, row_tokens
 
 KINDS = ["react", "react", "blocking", "branching", "editing", "completion", "titled", "claude", "raises", "hangs",
          "silent", "errors"]
@@ -120,6 +123,38 @@ def test_trained_tokens_are_the_tokens_the_endpoint_answered(episodes):
     assert [g[0].response_ids for g in episodes["free"]] == [row[1] for row in first]
 
 
+def _logprobs(model, batch) -> torch.Tensor:
+    """[b, W] response logprobs of a padded or packed batch (Policy.forward's formula, no FSDP)."""
+    with torch.no_grad(), batch.forward_context():
+        out = model(**batch.model_inputs(), logits_to_keep=batch.logits_to_keep)
+    return token_stats(batch.select(out.logits), batch.targets, 1.0, False)[0] * batch.resp_mask
+
+
+def test_branches_train_once_each_and_pack_into_one_row(episodes, tiny_model_dir):
+    """n=4 trains four rows, one per choice (the third goes on to the next turn), each with the request's
+    prompt, every generated token in exactly one row; packed (optim.shared_prefix=on) they are one row
+    holding the prompt once, and its forward equals the four padded rows' (fp32)."""
+    i = KINDS.index("branching")
+    turns, s = _record(episodes, i)["turns"], episodes["samples"][i]
+    rows = s.rows
+    assert len(rows) == 4 and all(r.prompt_ids == turns[0]["prompt"] for r in rows)
+    assert rows[0].prompt_ids + rows[0].response_ids == s.prompt_ids + s.response_ids  # the scored trajectory first
+    generated = sorted([t for t, m in zip(r.response_ids, r.mask) if m] for r in rows)
+    assert generated == sorted([turns[k]["ids"] for k in (0, 1, 3)] + [turns[2]["ids"] + turns[4]["ids"]])
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokens = TokenBatch.from_samples(rows, tok.pad_token_id, torch.device("cpu"))
+    samples = row_tokens(tokens)
+    plan = plan_packed(samples, list(range(len(rows))), budget=10_000)
+    assert len(plan) == 1 and len(plan[0]) == 1  # one micro-batch of one unit: the prompt computed once
+    order, packed = pack(samples, plan[0], tokens.resp_mask, torch.device("cpu"))
+    assert packed.input_ids.shape[1] == len(turns[0]["prompt"]) + sum(len(r.response_ids) for r in rows)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    install(model)
+    padded = _logprobs(model, tokens)[order]
+    torch.testing.assert_close(_logprobs(model, packed), padded[:, :packed.targets.shape[1]], rtol=1e-6, atol=1e-6)
+    assert bool((padded != 0).any())
+
+
 def test_branches_restarts_and_completions(episodes):
     samples = episodes["samples"]
     branching = _record(episodes, KINDS.index("branching"))["turns"]
@@ -128,13 +163,17 @@ def test_branches_restarts_and_completions(episodes):
     assert s.response_ids[:len(branching[2]["ids"])] == branching[2]["ids"]
     assert s.prompt_ids + s.response_ids == branching[4]["prompt"] + branching[4]["ids"]
     s = samples[KINDS.index("editing")]
-    assert s.episode.restarts == 1 and s.prompt_ids == _record(episodes, KINDS.index("editing"))["turns"][1]["prompt"]
+    edited = _record(episodes, KINDS.index("editing"))["turns"]
+    assert s.episode.restarts == 1 and s.prompt_ids == edited[1]["prompt"]
+    # the trajectory before the edit trains too, as a row of its own
+    assert [r.prompt_ids + r.response_ids for r in s.rows] == [t["prompt"] + t["ids"] for t in (edited[1], edited[0])]
     turns = _record(episodes, KINDS.index("completion"))["turns"]
     _check_exact(samples[KINDS.index("completion")], turns)  # the second prompt continued the first by text
     # a title asked on the side (task.agent_exclude) is answered, but neither trained nor continued
     titled = _record(episodes, KINDS.index("titled"))
     s = samples[KINDS.index("titled")]
     _check_exact(s, titled["turns"])
+    assert s.rows is None  # one trajectory: the sample is its row
     assert s.episode.excluded == 1 and s.episode.restarts == 0 and s.episode.requests == 3 and titled["title"]
     # Anthropic's client: its answers echoed back as content blocks continue the trajectory
     claude = _record(episodes, KINDS.index("claude"))

@@ -120,6 +120,15 @@ def test_n_choices_and_a_retried_turn_branch_at_the_shared_prefix(tok):
     assert book.main is not made[0] and len(book.trajectories) == 3 and book.restarts == 0
     assert book.main.context[:len(on_a2.context)] == on_a2.context
     assert made[0].context[:len(on_a1.context)] == on_a1.context
+    # each trajectory trains the tokens it generated itself; what it shares with its parent is its row's
+    # prompt: the choices share the first request's, the retry its own request's (observation included)
+    rows = [t.row(cut=False) for t in book.trajectories]
+    assert [r.prompt_ids for r in rows] == [first.context, first.context, on_a2.context]
+    one, two = _spelled(tok, "1"), _spelled(tok, "2")
+    assert [[t for t, m in zip(r.response_ids, r.mask) if m] for r in rows] == [a + one, b, two]
+    assert rows[2].response_ids == two and rows[2].versions == [3] * len(two)
+    for t, r in zip(book.trajectories, rows):  # a row's prompt and response are its trajectory's tokens
+        assert r.prompt_ids + r.response_ids == t.context and r.mask == t.mask[t.own_from:]
 
 
 def test_contexts_past_the_limits_are_refused(tok):

@@ -28,6 +28,12 @@ class AgentConfig:
                 "logprobs to the last bit, do not depend on thread timing (reproducible and resumable bit for bit; a "
                 "harness busy with its own work holds the engine meanwhile). free: every request joins the engine "
                 "as it arrives (no waiting; batches, so logprobs at float rounding, vary run to run).")
+    rows: Literal["every", "last"] = knob(
+        "every", "What an episode trains. every: each trajectory it recorded (the choices of a request with n > 1, "
+                 "retried turns, a history the harness edited), one row each with the episode's advantage; a branch's "
+                 "row holds only the tokens it generated itself, the prefix it shares with its parent as its prompt "
+                 "(computed once for all siblings in a packed update). last: only the trajectory of its last request, "
+                 "whole.")
     episode_timeout_s: float = knob(300.0, "A harness's own time per episode (running with no request out; time "
                                            "waiting for the engine is not counted): past it the episode is cut, its "
                                            "trajectory kept as a truncated sample and counted (agent/cut).")

@@ -32,7 +32,8 @@ class OptimConfig:
     shared_prefix: Literal["auto", "on", "off"] = knob(
         "auto", "Packed rows that compute each group's prompt once (each response attends to it) in every "
         "forward over the batch: the same logprobs and gradients as padded rows, for fewer tokens. auto: on "
-        "whenever algorithm.group_size > 1; off: one padded row per sample.", operational=True)
+        "whenever algorithm.group_size > 1 or a harness's episodes train their branches (task.agent, agent.rows="
+        "every); off: one padded row per sample.", operational=True)
 
     def checks(self) -> list[tuple[bool, str]]:
         return [

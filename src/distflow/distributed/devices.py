@@ -244,9 +244,11 @@ def kv_cache_gib(rollout: RolloutConfig, device: torch.device | str) -> float | 
     return rollout.kv_cache_gib
 
 
-def shared_prefix(optim: OptimConfig, group_size: int) -> str:
-    """optim.shared_prefix as "on" or "off"; "auto" packs whenever a prompt has several samples."""
-    return "on" if optim.shared_prefix == "on" or (optim.shared_prefix == "auto" and group_size > 1) else "off"
+def shared_prefix(optim: OptimConfig, group_size: int, branches: bool = False) -> str:
+    """optim.shared_prefix as "on" or "off"; "auto" packs whenever a prompt has several samples, or
+    `branches` may give a sample rows that share a prefix (a harness episode's)."""
+    several = group_size > 1 or branches
+    return "on" if optim.shared_prefix == "on" or (optim.shared_prefix == "auto" and several) else "off"
 
 
 def resolve_auto(cfg: DistflowConfig, device: torch.device | str, cpu: CpuBf16 | None = None) -> DistflowConfig:
@@ -256,7 +258,8 @@ def resolve_auto(cfg: DistflowConfig, device: torch.device | str, cpu: CpuBf16 |
     model = dataclasses.replace(cfg.model, dtype=dtype, shard_ranks=shard_ranks(cfg.model))
     eager = str(enforce_eager(cfg.rollout.enforce_eager, device)).lower()
     rollout = dataclasses.replace(cfg.rollout, enforce_eager=eager, kv_cache_gib=kv_cache_gib(cfg.rollout, device))
-    optim = dataclasses.replace(cfg.optim, shared_prefix=shared_prefix(cfg.optim, cfg.algorithm.group_size))
+    branches = bool(cfg.task.agent) and cfg.agent.rows == "every"
+    optim = dataclasses.replace(cfg.optim, shared_prefix=shared_prefix(cfg.optim, cfg.algorithm.group_size, branches))
     return dataclasses.replace(cfg, model=model, rollout=rollout, optim=optim)
 
 

@@ -13,7 +13,7 @@ import torch
 
 from distflow.tasks.prompts import PromptItem
 from distflow.rollout.scoring import REWARD_FAILURES
-from distflow.sample import Sample
+from distflow.sample import Sample, training_rows
 
 
 @dataclass
@@ -64,5 +64,6 @@ class Rollouts:
         self.rewards = chosen if self.rewards is None else torch.cat([self.rewards, chosen])
 
     def token_costs(self) -> list[int]:
-        """Prompt + response tokens per group: what the update pays for it."""
-        return [sum(len(s.prompt_ids) + len(s.response_ids) for s in samples) for _, samples, _ in self.groups()]
+        """Prompt + response tokens per group: what the update pays for it (every row of a sample)."""
+        return [sum(len(r.prompt_ids) + len(r.response_ids) for r in training_rows(samples)[0])
+                for _, samples, _ in self.groups()]

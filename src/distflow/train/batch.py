@@ -156,6 +156,14 @@ class UpdateBatch:
     # 1 / the mean truncated importance weight over the whole step's batch (all ranks), when the
     # rollout correction normalises its weights (rollout_is_batch_normalize); 1 otherwise
     is_weight_scale: float = 1.0
+    # [B] the sample each row belongs to when samples train as several rows (distflow.sample.training_rows)
+    sample_of: torch.Tensor | None = None
+    sample_resp_len: torch.Tensor | None = None  # [samples] their response lengths, for the reward shaping
+
+    @property
+    def resp_len(self) -> torch.Tensor:
+        """[samples] each sample's response length (a sample of several rows: its whole response)."""
+        return self.tokens.resp_len if self.sample_resp_len is None else self.sample_resp_len
 
     @staticmethod
     def from_samples(samples: list[Sample], pad_id: int, device: torch.device,

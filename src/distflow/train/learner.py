@@ -21,7 +21,7 @@ from distflow.algorithms.rollout_correction import importance_weight_sums
 from distflow.config import DistflowConfig, RolloutCorrectionConfig
 from distflow.distributed import all_reduce
 from distflow.distributed.layout import ParallelLayout
-from distflow.sample import Sample
+from distflow.sample import Sample, training_rows
 from distflow.train.batch import CURRENT_POLICY, OldLogprobs, UpdateBatch
 from distflow.train.critic import Critic
 from distflow.train.lora import adapter_tensors
@@ -81,7 +81,12 @@ class Learner:
     def batch(self, samples: list[Sample], current_version: int) -> UpdateBatch:
         """The step's one padded batch (micro-batches are row selections of it). Tokens of versions
         older than `current_version` (carried over) leave the mismatch measurement."""
-        batch = UpdateBatch.from_samples(samples, self.pad_id, self.policy.device, self.cfg.algorithm.overlong_filter)
+        rows, sample_of = training_rows(samples)
+        batch = UpdateBatch.from_samples(rows, self.pad_id, self.policy.device, self.cfg.algorithm.overlong_filter)
+        if sample_of is not None:  # a harness episode's trajectories: one row each, one advantage
+            device = self.policy.device
+            batch = batch.with_(sample_of=torch.tensor(sample_of, dtype=torch.long, device=device),
+                                sample_resp_len=torch.tensor([len(s.response_ids) for s in samples], device=device))
         versions = batch.token_versions
         if versions is not None and bool((versions != current_version)[batch.loss_mask.bool()].any()):
             batch = batch.with_(mismatch_mask=batch.loss_mask * (versions == current_version))
@@ -110,9 +115,9 @@ class Learner:
     def advantages(self, batch: UpdateBatch, rewards: torch.Tensor, lp: Logprobs) -> UpdateBatch:
         old = lp.old if lp.old is not CURRENT_POLICY else None
         scores, token_rewards = shape_rewards(rewards, batch.tokens, self.cfg.algorithm,
-                                              self.cfg.rollout.response_budget(), old, lp.ref)
+                                              self.cfg.rollout.response_budget(), old, lp.ref, batch.resp_len)
         inputs = AdvantageInputs(scores, token_rewards, batch.tokens.resp_mask, lp.values,  # all on the device
-                                 lp.teacher_log_ratio)
+                                 lp.teacher_log_ratio, batch.sample_of)
         advantages, returns = self.estimator(inputs, self.cfg.algorithm, lambda v: all_reduce(v).tolist())
         rc = self.cfg.algorithm.rollout_correction
         scale = importance_weight_scale(rc, lp.old, batch) if rc.rollout_is_batch_normalize else 1.0

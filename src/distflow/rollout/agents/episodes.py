@@ -201,6 +201,9 @@ class AgentRunner:
             sample = Sample(list(item.prompt_ids), [], [], ep.cut, [], EpisodeInfo(), [])
         else:
             sample = book.main.sample(cut=ep.cut)
+            if self.cfg.agent.rows == "every" and len(book.trajectories) > 1:
+                others = [t for t in book.trajectories if t is not book.main]
+                sample.rows = [t.row(ep.cut) for t in [book.main, *others]]
         info = sample.episode
         info.env_reward, info.requests, info.restarts, info.excluded = ep.reward, ep.requests, book.restarts, \
             ep.excluded

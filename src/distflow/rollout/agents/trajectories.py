@@ -14,7 +14,11 @@ starts a new trajectory from the chat template rendered once (PromptEncoder).
 
 Branches: a request that extends a trajectory which has moved on since (a retry of an earlier
 turn), and every choice but the first of a request with n > 1, fork it at the shared prefix. The
-training row of an episode is the trajectory its last request extended or started.
+episode's sample (what its reward scores) is the trajectory its last request extended or started.
+It trains (agent.rows=every) as one row per trajectory, each holding the tokens that trajectory
+generated itself: a branch's row has the prefix it shares with the trajectory it forked from as
+its prompt, so every generated token is trained exactly once, and siblings forked at one point
+share one prompt, which a packed update (optim.shared_prefix) computes once for all of them.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class Trajectory:
     open_turn: bool = False  # the last turn stopped at its token limit, without its end-of-turn token
     turns: int = 0
     text: str | None = None  # a text completion's prompt and turns as the client has them
+    own_from: int = 0  # ids before this index came from the trajectory it forked from (its row's prompt)
 
     @property
     def context(self) -> list[int]:
@@ -71,6 +76,13 @@ class Trajectory:
         self.messages += [*messages, turn]
         self.keys += [turn_key(m) for m in (*messages, turn)]
         self.open_turn, self.turns = sample.truncated, self.turns + 1
+
+    def row(self, cut: bool) -> Sample:
+        """The tokens this trajectory generated itself as a training row: what it shares with the
+        trajectory it forked from (and the messages before its first turn) is the row's prompt."""
+        k = self.own_from
+        return Sample(self.prompt_ids + self.ids[:k], self.ids[k:], self.logprobs[k:], self.open_turn or cut,
+                      self.mask[k:], versions=self.versions[k:])
 
     def sample(self, cut: bool) -> Sample:
         """The training row: the prompt, and every turn and observation after it, observations masked;
@@ -177,6 +189,7 @@ class TrajectoryBook:
                 unchanged = len(base.ids) == prepared.base_ids and len(base.keys) == prepared.base_messages
                 t = base if k == 0 and unchanged else base.fork(prepared.base_ids, prepared.base_messages)
             if t is not base:
+                t.own_from = prepared.base_ids + len(prepared.observation)
                 self.trajectories.append(t)
             t.extend(prepared.messages, prepared.observation, sample, turn, version)
             if prepared.text is not None:
