@@ -1,12 +1,14 @@
 """Harness episodes end to end: the docs' `experiment=agent_smoke` command on 2 ranks with vLLM in
-float32, where a two-request harness (tests/support/agents_for_tests.py:two_turns, two choices
-first) talks to each rank's endpoint through the `openai` client. The engine's logprob of every
-trained token (both choices' rows) matches
-the trainer's to float32 rounding (a token the endpoint re-tokenized instead of keeping would
-show here), the probe is exact, and each rank served its own endpoint. (Token-for-token checks
-against the endpoint's answers, the bad requests and a bit-exact resume run in-process:
-unit/test_agent_endpoint.py, distributed/test_trainer_loop.py.)"""
+float32, where a ReAct harness (tests/support/agents_for_tests.py:react_two_choices: the add tool
+offered by function calling, two choices of the first answer) talks to each rank's endpoint through
+the `openai` client. Every row the update trained is, id for id, what the endpoint answered: its
+prompt and response are an answer's prompt and token ids, and its trained tokens are the answers'
+ids on its trajectory after its prompt, each sampled token in exactly one row (the second choice
+trains as a row of its own). The engine's logprob of every trained token matches the trainer's to
+float32 rounding, the probe is exact, and each rank served its own endpoint. (The bad requests and
+a bit-exact resume run in-process: unit/test_agent_endpoint.py, distributed/test_trainer_loop.py.)"""
 
+import json
 import re
 
 import pytest
@@ -18,9 +20,12 @@ COMMAND = doc_command(".venv/bin/torchrun --standalone --nproc_per_node=2 recipe
 
 
 @pytest.mark.slow
-def test_harness_episodes_train_on_vllm_with_the_tokens_the_engine_sampled(tmp_path):
+def test_harness_episodes_train_on_vllm_with_the_tokens_the_engine_sampled(tmp_path, monkeypatch):
     out = tmp_path / "run"
-    extra = ["task.agent=agents_for_tests:two_turns", "task.reward=rewards_for_tests:digit_fraction",
+    record = tmp_path / "record"
+    record.mkdir()
+    monkeypatch.setenv("AGENT_RECORD_DIR", str(record))
+    extra = ["task.agent=agents_for_tests:react_two_choices", "task.reward=rewards_for_tests:digit_fraction",
              "model.dtype=float32", "run.steps=2", f"run.output_dir={out}"]
     proc = run_doc_command(COMMAND, extra, tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -36,3 +41,23 @@ def test_harness_episodes_train_on_vllm_with_the_tokens_the_engine_sampled(tmp_p
     urls = [re.search(r"agent endpoint on (http://127\.0\.0\.1:\d+)", (out / "logs" / f"rank_{k}.log").read_text())
             for k in (0, 1)]
     assert all(urls) and urls[0].group(1) != urls[1].group(1)
+    trained = {p.name.split(".")[1]: _lines(p) for p in record.glob("rows.*.jsonl")}
+    answered = {p.name.split(".")[1]: _lines(p) for p in record.glob("answers.*.jsonl")}
+    assert len(trained) == 2 and set(trained) <= set(answered)  # each rank's rows and its own endpoint's answers
+    for pid, rows in trained.items():
+        assert len(rows) == 2 * 2 * 4 * 2  # steps x prompts per rank x group size x (the first choice, the second)
+        for row in rows:
+            _check_row(row, answered[pid])
+
+
+def _lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _check_row(row, answers):
+    """The row is an answer's context and ids; its trained tokens are the answers' ids after its prompt."""
+    whole = row["prompt"] + row["response"]
+    assert any(a["prompt"] + a["ids"] == whole for a in answers)
+    inside = {len(a["prompt"]): a["ids"] for a in answers if len(a["prompt"]) >= len(row["prompt"])
+              and whole[:len(a["prompt"]) + len(a["ids"])] == a["prompt"] + a["ids"]}  # (one per turn)
+    assert [t for t, m in zip(row["response"], row["mask"]) if m] == [t for k in sorted(inside) for t in inside[k]]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import anthropic
 import httpx
@@ -157,6 +158,56 @@ async def two_turns(ctx):
     for n in (2, 1):
         r = await client.chat.completions.create(model=ctx.model, messages=messages, max_tokens=8, n=n)
         messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Check it."}]
+
+
+async def react_two_choices(ctx):
+    """The end-to-end harness: a ReAct loop offering the add tool by function calling (a call is answered
+    with the tool's result, a plain answer with an observation), its first request asking for two choices
+    (a branch) and going on from the first. With AGENT_RECORD_DIR set, every answer's prompt and token
+    ids go to that folder, for the test to hold the trained rows (TrainedRows) against."""
+    client = _client(ctx)
+    messages = list(ctx.messages)
+    for n in (2, 1):
+        r = await client.chat.completions.create(model=ctx.model, messages=messages, tools=TOOLS, n=n, max_tokens=8,
+                                                 extra_body={"return_token_ids": True})
+        _save("answers", [{"prompt": r.model_extra["prompt_token_ids"], "ids": c.model_extra["token_ids"]}
+                          for c in r.choices])
+        m = r.choices[0].message
+        messages.append(m.model_dump(exclude_none=True))
+        for call in m.tool_calls or []:
+            args = json.loads(call.function.arguments)
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": str(args.get("a", 0) + args.get("b", 0))})
+        if not m.tool_calls:
+            messages.append({"role": "user", "content": "Check it."})
+
+
+def _save(kind: str, entries: list[dict]) -> None:
+    """Append `entries` to AGENT_RECORD_DIR/<kind>.<pid>.jsonl (one write per call: whole lines)."""
+    folder = os.environ.get("AGENT_RECORD_DIR")
+    if folder:
+        with open(os.path.join(folder, f"{kind}.{os.getpid()}.jsonl"), "a") as f:
+            f.write("".join(json.dumps(e) + "\n" for e in entries))
+
+
+class TrainedRows:
+    """A run observer (distflow.metrics.timer.PROCESS_OBSERVERS) that saves every row the update trains:
+    its prompt and response ids and its response mask."""
+
+    def on_batch(self, step, batch):
+        t = batch.tokens
+        rows = []
+        for i in range(len(t)):
+            ids, r = t.input_ids[i][t.attention_mask[i].bool()].tolist(), int(t.resp_len[i])
+            rows.append({"step": step, "prompt": ids[:len(ids) - r], "response": ids[len(ids) - r:],
+                         "mask": [int(x) for x in t.resp_mask[i, :r].tolist()]})
+        _save("rows", rows)
+        return batch
+
+
+if os.environ.get("AGENT_RECORD_DIR"):  # imported by the run (task.agent): watch its batches
+    from distflow.metrics.timer import PROCESS_OBSERVERS
+
+    PROCESS_OBSERVERS.append(TrainedRows())
 
 
 async def silent(ctx):

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Protocol
 import torch
 
 # Observers every Trainer built in this process gets, after the ones it is given (a benchmark's
-# hooks, installed before the recipe builds the trainer).
+# hooks, installed before the recipe builds the trainer, or a module's the run imports later).
 PROCESS_OBSERVERS: list[Any] = []
 
 
@@ -50,9 +50,13 @@ class PhaseTimer:
 
     def __init__(self, device: torch.device, sync_device: bool = False, observers: list | None = None):
         self.edge: Callable[[], None] | None = torch.cuda.synchronize if sync_device and device.type == "cuda" else None
-        self.observers = list(observers or []) + PROCESS_OBSERVERS
+        self.given = list(observers or [])
         self.step = 0
         self.timing: dict[str, float] = {}
+
+    @property
+    def observers(self) -> list:
+        return self.given + PROCESS_OBSERVERS
 
     def new_step(self, step: int) -> dict[str, float]:
         self.step, self.timing = step, {}
