@@ -80,6 +80,22 @@ async def branching(ctx):
     _note(ctx, r)
 
 
+STOPS = list("aeiou ")  # a random model's turn soon holds one of these
+
+
+async def stopping(ctx):
+    """Two turns ended at stop sequences, the second continuing the first; each answer's text and
+    finish reason go to RECORD as well."""
+    client = _client(ctx)
+    messages = list(ctx.messages)
+    for _ in range(2):
+        r = await client.chat.completions.create(model=ctx.model, messages=messages, stop=STOPS, **ASK)
+        _note(ctx, r)
+        entry = RECORD[ctx.base_url]
+        entry.setdefault("answers", []).append((r.choices[0].message.content, r.choices[0].finish_reason))
+        messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Go on."}]
+
+
 async def editing(ctx):
     """The second request rewrites the model's first turn: a new trajectory."""
     client = _client(ctx)
@@ -232,7 +248,8 @@ async def errors(ctx):
                                                                                             messages=user))
     await attempt("long", client.chat.completions.create(model=ctx.model, messages=[
         {"role": "user", "content": "word " * 400}]))
-    await attempt("stream_stop", client.chat.completions.create(model=ctx.model, messages=user, stop=["\n"]))
+    await attempt("stream", client.chat.completions.create(model=ctx.model, messages=user, stream=True))
+    await attempt("stop", client.chat.completions.create(model=ctx.model, messages=user, stop=["a", ""]))
     await attempt("n", client.chat.completions.create(model=ctx.model, messages=user, n=99))
     await attempt("messages", client.chat.completions.create(model=ctx.model, messages=[{"role": "robot"}]))
     async with httpx.AsyncClient() as raw:
@@ -249,7 +266,7 @@ async def errors(ctx):
 
 
 KINDS = {f.__name__: f for f in (react, blocking, blocking_once, branching, editing, completion, titled, claude,
-                                  raises, hangs, silent, errors)}
+                                  raises, hangs, silent, errors, stopping)}
 
 
 def dispatch(ctx):

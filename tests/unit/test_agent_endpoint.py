@@ -27,7 +27,7 @@ from distflow.train.lm_head import token_stats
 from distflow.train.shared_prefix import install, pack, plan_packed, row_tokens
 
 KINDS = ["react", "react", "blocking", "branching", "editing", "completion", "titled", "claude", "raises", "hangs",
-         "silent", "errors"]
+         "silent", "errors", "stopping"]
 TIMEOUT_S = 4.0
 
 
@@ -202,11 +202,32 @@ def test_a_failing_hanging_or_silent_harness_ends_only_its_episode(episodes):
         "ones only counted in agent/failed)"]
 
 
+def test_a_stop_sequence_ends_the_turn_after_the_token_that_completes_it(episodes):
+    """The answer's text ends before the earliest stop sequence; its ids run to the token that completes
+    it (no fewer: one less holds none), and those ids train, the next request closing the cut turn
+    through the template (an end-of-turn token among the masked message tokens)."""
+    i = KINDS.index("stopping")
+    record, s = _record(episodes, i), episodes["samples"][i]
+    tok = episodes["runner"].gateway.tokenizer
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    stops = agents_for_tests.STOPS
+    for turn, (text, finish) in zip(record["turns"], record["answers"]):
+        full = decode(turn["ids"])
+        where = min(full.find(x) for x in stops if x in full)
+        assert finish == "stop" and text == full[:where]
+        assert not any(x in decode(turn["ids"][:-1]) for x in stops)
+    _check_exact(s, record["turns"])
+    first = len(record["turns"][0]["ids"])
+    assert s.response_ids[first] == tok.convert_tokens_to_ids("<|im_end|>") and s.mask[first] == 0
+    assert not s.truncated
+
+
 def test_bad_requests_get_openai_errors(episodes):
     seen = _record(episodes, KINDS.index("errors"))["errors"]
     assert seen["model"] == (404, "model_not_found") and seen["key"][0] == 401
     assert seen["long"] == (400, "context_length_exceeded")
-    assert seen["stream_stop"] == (400, "unsupported") and seen["n"] == (400, "invalid_n")
+    assert seen["stream"] == (400, "unsupported") and seen["n"] == (400, "invalid_n")
+    assert seen["stop"] == (400, "invalid_stop")
     assert seen["messages"] == (400, "invalid_messages")
     assert seen["json"] == (400, "invalid_json") and seen["episode"] == (404, "episode_not_found")
     assert seen["models"] == ["policy"]

@@ -18,6 +18,7 @@ from distflow.rollout.agents.messages import (
     template_message,
     turn_key,
 )
+from distflow.rollout.agents.stops import Answer, cut_at_stop, parse_stops
 from distflow.rollout.agents.trajectories import TrajectoryBook
 from distflow.rollout.episodes import ObservationEncoder
 from distflow.sample import Sample
@@ -87,6 +88,30 @@ def test_a_turn_cut_at_its_limit_is_closed_by_the_template(tok):
     assert second.observation == ObservationEncoder(tok)([OBS], None)  # the end-of-turn is the template's
     assert second.observation[0] == tok.convert_tokens_to_ids("<|im_end|>")
     assert book.main.sample(cut=False).truncated
+
+
+def test_a_stop_sequence_cuts_after_the_token_that_completes_it(tok):
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    said = _spelled(tok, "hello")
+    sample = _sample(said)
+    assert cut_at_stop(sample, ["xyz"], decode) == Answer(sample, "hello")
+    # the earliest of the sequences, across two tokens: the text before it, the ids through its last token
+    answer = cut_at_stop(sample, ["lo", "el"], decode)
+    assert (answer.text, answer.stop, answer.sample.response_ids) == ("h", "el", said[:3])
+    assert answer.sample.logprobs == sample.logprobs[:3] and answer.sample.versions == [3] * 3
+    assert not answer.sample.truncated
+    with pytest.raises(BadRequest, match="stop must be"):
+        parse_stops(["a", ""], "stop")
+    assert parse_stops("\n", "stop") == ["\n"] and parse_stops(None, "stop") == []
+    # the cut turn is open: the next request's messages close it through the template, and the row
+    # is not truncated (it did not reach its token limit)
+    book = _book(tok)
+    first = book.prepare(USER, None)
+    book.record(first, [(answer.sample, _turn("h"))], version=0, stopped=[True])
+    second = book.prepare([*USER, _turn("h"), OBS], None)
+    assert second.observation == ObservationEncoder(tok)([OBS], None)
+    assert second.observation[0] == tok.convert_tokens_to_ids("<|im_end|>")
+    assert not book.main.sample(cut=False).truncated
 
 
 def test_edited_history_and_other_tools_start_new_trajectories(tok):

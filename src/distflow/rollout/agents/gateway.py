@@ -24,6 +24,7 @@ from distflow.rollout.agents.messages import (
     assistant_turn,
     template_message,
 )
+from distflow.rollout.agents.stops import Answer, cut_at_stop, parse_stops
 from distflow.rollout.agents.trajectories import TrajectoryBook
 from distflow.rollout.base import Request
 from distflow.rollout.episodes import ObservationEncoder
@@ -96,52 +97,53 @@ class Gateway:
             messages = [template_message(m, f"messages[{i}]") for i, m in enumerate(raw)]
         except BadRequest as e:
             raise ApiError(400, str(e), "invalid_messages") from None
-        samples, prepared, number, answers = await self._converse(episode, body, messages, tools)
+        stops = self._stops(body, "stop")
+        answers, prepared, number, apis = await self._converse(episode, body, messages, tools, stops)
         choices = []
-        for i, (s, api) in enumerate(zip(samples, answers)):
-            finish = "length" if s.truncated else ("tool_calls" if "tool_calls" in api else "stop")
-            choices.append({"index": i, "message": api, "finish_reason": finish, **self._extras(body, s)})
-        return self._answer("chat.completion", key, number, prepared.context, samples, choices, body)
+        for i, (a, api) in enumerate(zip(answers, apis)):
+            finish = "length" if a.sample.truncated else ("tool_calls" if "tool_calls" in api else "stop")
+            choices.append({"index": i, "message": api, "finish_reason": finish, **self._extras(body, a.sample)})
+        return self._answer("chat.completion", key, number, prepared.context, answers, choices, body)
 
     async def messages(self, key: str, body: dict) -> dict:
         """Anthropic's Messages (one answer per request; its tool_use and tool_result blocks)."""
         episode = self._episode(key)
         self._check_request(body)
-        if body.get("stop_sequences"):
-            raise ApiError(400, "stop_sequences are not supported: a turn ends at the model's end-of-turn token or "
-                                "max_tokens", "unsupported")
+        stops = self._stops(body, "stop_sequences")
         try:
             messages, tools = anthropic_request(body)
         except BadRequest as e:
             raise ApiError(400, str(e), "invalid_messages") from None
-        samples, prepared, number, answers = await self._converse(episode, {**body, "n": 1}, messages, tools)
-        s, api = samples[0], answers[0]
-        stop = "max_tokens" if s.truncated else ("tool_use" if "tool_calls" in api else "end_turn")
+        answers, prepared, number, apis = await self._converse(episode, {**body, "n": 1}, messages, tools, stops)
+        a, api = answers[0], apis[0]
+        stop = "max_tokens" if a.sample.truncated else "stop_sequence" if a.stop is not None else \
+            "tool_use" if "tool_calls" in api else "end_turn"
         return {"id": f"msg_{key}_{number}", "type": "message", "role": "assistant", "model": self.model_name,
-                "content": anthropic_content(api), "stop_reason": stop, "stop_sequence": None,
-                "usage": {"input_tokens": len(prepared.context), "output_tokens": len(s.response_ids)}}
+                "content": anthropic_content(api), "stop_reason": stop, "stop_sequence": a.stop,
+                "usage": {"input_tokens": len(prepared.context), "output_tokens": len(a.sample.response_ids)}}
 
-    async def _converse(self, episode: Episode, body: dict, messages: list[dict], tools: list[dict] | None):
+    async def _converse(self, episode: Episode, body: dict, messages: list[dict], tools: list[dict] | None,
+                        stops: list[str]):
         """A chat request's engine answer, recorded in the episode's trajectories (unless the user's
-        filter keeps it apart): (samples, prepared, the request's number, each answer as OpenAI's message)."""
+        filter keeps it apart): (answers, prepared, the request's number, each answer as OpenAI's message)."""
         apart = self._excluded(body)
         book = episode.book
-        samples, prepared, number = await self._generate(
-            episode, body, (lambda: book.apart(messages, tools)) if apart else (lambda: book.prepare(messages, tools)))
-        answers, turns = [], []
-        for i, s in enumerate(samples):
-            api, turn = assistant_turn(self.tokenizer.decode(s.response_ids, skip_special_tokens=True),
-                                       tools is not None, f"call-{episode.key}-{number}-{i}")
-            answers.append(api)
-            turns.append((s, turn))
+        answers, prepared, number = await self._generate(
+            episode, body, (lambda: book.apart(messages, tools)) if apart else (lambda: book.prepare(messages, tools)),
+            stops)
+        apis, turns = [], []
+        for i, a in enumerate(answers):
+            api, turn = assistant_turn(a.text, tools is not None, f"call-{episode.key}-{number}-{i}")
+            apis.append(api)
+            turns.append((a.sample, turn))
         with self.lock:
             if episode.closed:
                 pass
             elif apart:
                 episode.excluded += 1
             else:
-                book.record(prepared, turns, self.version)
-        return samples, prepared, number, answers
+                book.record(prepared, turns, self.version, [a.stop is not None for a in answers])
+        return answers, prepared, number, apis
 
     async def complete(self, key: str, body: dict) -> dict:
         episode = self._episode(key)
@@ -153,17 +155,18 @@ class Gateway:
                 isinstance(prompt, list) and prompt and all(isinstance(t, int) and t >= 0 for t in prompt)):
             raise ApiError(400, "prompt must be a non-empty string or a list of token ids (one prompt per request)",
                            "invalid_prompt")
-        samples, prepared, number = await self._generate(episode, body, lambda: episode.book.prepare_text(prompt))
+        stops = self._stops(body, "stop")
+        answers, prepared, number = await self._generate(episode, body, lambda: episode.book.prepare_text(prompt),
+                                                         stops)
         choices, turns = [], []
-        for i, s in enumerate(samples):
-            text = self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
-            turns.append((s, {"role": "assistant", "content": text}))
-            choices.append({"index": i, "text": text, "finish_reason": "length" if s.truncated else "stop",
-                            **self._extras(body, s, completion=True)})
+        for i, a in enumerate(answers):
+            turns.append((a.sample, {"role": "assistant", "content": a.text}))
+            choices.append({"index": i, "text": a.text, "finish_reason": "length" if a.sample.truncated else "stop",
+                            **self._extras(body, a.sample, completion=True)})
         with self.lock:
             if not episode.closed:
-                episode.book.record(prepared, turns, self.version)
-        return self._answer("text_completion", key, number, prepared.context, samples, choices, body)
+                episode.book.record(prepared, turns, self.version, [a.stop is not None for a in answers])
+        return self._answer("text_completion", key, number, prepared.context, answers, choices, body)
 
     # ------------------------------------------------------------------ one request
     def _excluded(self, body: dict) -> bool:
@@ -191,9 +194,6 @@ class Gateway:
                                 f"{self.model_name!r}", "model_not_found")
         if body.get("stream"):
             raise ApiError(400, "stream=true is not supported; ask without streaming", "unsupported")
-        if body.get("stop"):
-            raise ApiError(400, "stop sequences are not supported: a turn ends at the model's end-of-turn token "
-                                "or max_tokens", "unsupported")
         for name in ("temperature", "top_p"):
             asked, runs = body.get(name), getattr(self.rollout, name, None)
             if asked is not None and runs is not None and asked != runs and name not in self._warned:
@@ -201,7 +201,13 @@ class Gateway:
                 log.warning(f"an agent request asked {name}={asked}; the policy samples at rollout.{name}={runs}, "
                             "as training needs (logged once)")
 
-    async def _generate(self, episode: Episode, body: dict, prepare) -> tuple[list[Sample], Any, int]:
+    def _stops(self, body: dict, key: str) -> list[str]:
+        try:
+            return parse_stops(body.get(key), key)
+        except BadRequest as e:
+            raise ApiError(400, str(e), "invalid_stop") from None
+
+    async def _generate(self, episode: Episode, body: dict, prepare, stops: list[str]) -> tuple[list[Answer], Any, int]:
         n, limit = body.get("n") or 1, body.get("max_completion_tokens") or body.get("max_tokens")
         if not (isinstance(n, int) and 1 <= n <= MAX_N):
             raise ApiError(400, f"n must be an integer in [1, {MAX_N}], got {n!r}", "invalid_n")
@@ -226,7 +232,8 @@ class Gateway:
         future: concurrent.futures.Future = concurrent.futures.Future()
         self.submissions.put(Submission(episode, number, request, future))
         samples = await asyncio.wrap_future(future)
-        return samples, prepared, number
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        return [cut_at_stop(s, stops, decode) for s in samples], prepared, number
 
     def _extras(self, body: dict, s: Sample, completion: bool = False) -> dict:
         out: dict = {"token_ids": list(s.response_ids)} if body.get("return_token_ids") else {}
@@ -243,9 +250,9 @@ class Gateway:
             out["logprobs"] = None
         return out
 
-    def _answer(self, kind: str, key: str, number: int, context: list[int], samples: list[Sample], choices: list,
+    def _answer(self, kind: str, key: str, number: int, context: list[int], answers: list[Answer], choices: list,
                 body: dict) -> dict:
-        generated = sum(len(s.response_ids) for s in samples)
+        generated = sum(len(a.sample.response_ids) for a in answers)
         out = {"id": f"{key}-{number}", "object": kind, "created": int(time.time()), "model": self.model_name,
                "choices": choices,
                "usage": {"prompt_tokens": len(context), "completion_tokens": generated,

@@ -51,7 +51,8 @@ class Trajectory:
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    open_turn: bool = False  # the last turn stopped at its token limit, without its end-of-turn token
+    open_turn: bool = False  # the last turn ended without its end-of-turn token (its token limit, a stop sequence)
+    truncated: bool = False  # the last turn stopped at its token limit
     turns: int = 0
     text: str | None = None  # a text completion's prompt and turns as the client has them
     own_from: int = 0  # ids before this index came from the trajectory it forked from (its row's prompt)
@@ -64,10 +65,12 @@ class Trajectory:
         """A copy of this trajectory as it was with `ids` response tokens and `messages` messages."""
         return Trajectory(list(self.prompt_ids), self.tools, self.messages[:messages], self.keys[:messages],
                           self.prompt_messages, self.ids[:ids], self.mask[:ids], self.logprobs[:ids],
-                          self.versions[:ids], self.open_turn, self.turns, None)
+                          self.versions[:ids], self.open_turn, self.truncated, self.turns, None)
 
-    def extend(self, messages: list[dict], observation: list[int], sample: Sample, turn: dict, version: int) -> None:
-        """Append the request's new messages (their ids: `observation`) and the turn generated for them."""
+    def extend(self, messages: list[dict], observation: list[int], sample: Sample, turn: dict, version: int,
+               stopped: bool = False) -> None:
+        """Append the request's new messages (their ids: `observation`) and the turn generated for them
+        (`stopped`: cut at a stop sequence)."""
         seen = self.versions[-1] if self.versions else version
         self.ids += observation + sample.response_ids
         self.mask += [0] * len(observation) + [1] * len(sample.response_ids)
@@ -75,20 +78,20 @@ class Trajectory:
         self.versions += [seen] * len(observation) + list(sample.versions or [version] * len(sample.response_ids))
         self.messages += [*messages, turn]
         self.keys += [turn_key(m) for m in (*messages, turn)]
-        self.open_turn, self.turns = sample.truncated, self.turns + 1
+        self.open_turn, self.truncated, self.turns = sample.truncated or stopped, sample.truncated, self.turns + 1
 
     def row(self, cut: bool) -> Sample:
         """The tokens this trajectory generated itself as a training row: what it shares with the
         trajectory it forked from (and the messages before its first turn) is the row's prompt."""
         k = self.own_from
-        return Sample(self.prompt_ids + self.ids[:k], self.ids[k:], self.logprobs[k:], self.open_turn or cut,
+        return Sample(self.prompt_ids + self.ids[:k], self.ids[k:], self.logprobs[k:], self.truncated or cut,
                       self.mask[k:], versions=self.versions[k:])
 
     def sample(self, cut: bool) -> Sample:
         """The training row: the prompt, and every turn and observation after it, observations masked;
         truncated when the last turn hit its limit or the episode was cut."""
         transcript = self.messages[self.prompt_messages:]
-        return Sample(list(self.prompt_ids), list(self.ids), list(self.logprobs), self.open_turn or cut,
+        return Sample(list(self.prompt_ids), list(self.ids), list(self.logprobs), self.truncated or cut,
                       list(self.mask), EpisodeInfo(transcript=transcript, turns=self.turns), list(self.versions))
 
 
@@ -176,10 +179,11 @@ class TrajectoryBook:
         used = len(prepared.base.ids) + len(prepared.observation) if prepared.base is not None else 0
         return self.budget - used
 
-    def record(self, prepared: Prepared, turns: list[tuple[Sample, dict]], version: int) -> list[Trajectory]:
-        """The engine's samples for a prepared request (with their template messages), each as a
-        trajectory: the first extends the one it matched if that has not moved on since; the others
-        are branches from the shared prefix."""
+    def record(self, prepared: Prepared, turns: list[tuple[Sample, dict]], version: int,
+               stopped: list[bool] | None = None) -> list[Trajectory]:
+        """The engine's samples for a prepared request (with their template messages; `stopped`: each
+        cut at a stop sequence), each as a trajectory: the first extends the one it matched if that
+        has not moved on since; the others are branches from the shared prefix."""
         out = []
         for k, (sample, turn) in enumerate(turns):
             base = prepared.base
@@ -191,7 +195,7 @@ class TrajectoryBook:
             if t is not base:
                 t.own_from = prepared.base_ids + len(prepared.observation)
                 self.trajectories.append(t)
-            t.extend(prepared.messages, prepared.observation, sample, turn, version)
+            t.extend(prepared.messages, prepared.observation, sample, turn, version, bool(stopped and stopped[k]))
             if prepared.text is not None:
                 t.text = prepared.text + turn["content"]
             out.append(t)
