@@ -394,6 +394,10 @@ def test_carryover_keeps_its_bound_and_resumes_exactly_with_groups_carried(runs)
     for r in straight:  # eta = 1: a group trains at most one step late, every step trains its quota
         assert r["staleness/max"] <= 1 and r["partial/carried_groups"] > 0 and r["grad_norm"] > 0, r
     assert any(r["staleness/max"] == 1 for r in straight)
+    for r in straight:  # the correction's statistics by version lag: carried tokens are one version old
+        lags = [r.get(f"rollout_corr/lag{k}/tokens", 0) for k in range(4)]
+        assert lags[0] + lags[1] > 0 and lags[2] == lags[3] == 0, r
+        assert (lags[1] > 0) == (r["staleness/max"] == 1), r
     for r in _trained(runs, "dapo_eta1", steps=3):  # dynamic sampling's rounds under carry-over
         assert r["staleness/max"] <= 1 and r["dynamic_sampling/rounds"] >= 1 and r["update/nonfinite_skipped"] == 0, r
 

@@ -218,6 +218,41 @@ def test_metrics_equal_their_definitions_and_add_over_parts():
     assert exact_p99 <= whole["rollout_corr/rho_p99"] <= math.exp(math.log(exact_p99) * 1.13) + 1e-9
 
 
+def test_metrics_by_version_lag_equal_their_definitions():
+    """Tokens of older policy versions (carried over): each lag's tokens, masked fraction, weight mean
+    and max and ESS, from the final weights; lag 3 holds the older ones too; the parts combine (sums
+    add, maxima by max) into the whole; a lag without tokens is not reported."""
+    old, eng, mask = inputs()
+    c = rc(rollout_is="token", rollout_is_threshold=1.5, rollout_rs="token", rollout_rs_threshold=1.4,
+           rollout_rs_threshold_lower=0.6)
+    lag = torch.tensor([[(i + t) % 3 + (i == 5) * 2 for t in range(mask.shape[1])] for i in range(len(LENS))])
+    corr = rollout_correction(old, eng, mask, c)
+    whole = correction_metrics(correction_vector(corr, mask, 6, lag).tolist())
+    parts = CorrectionSums()
+    for rows in ([0, 1, 2], [3, 4, 5]):
+        part = rollout_correction(old[rows], eng[rows], mask[rows], c)
+        parts = parts + CorrectionSums(correction_vector(part, mask[rows], 6, lag[rows]).tolist())
+    assert correction_metrics(parts.values) == pytest.approx(whole, rel=1e-12)
+    w = reference(old, eng, mask, c)
+    by = {}
+    for i, n in enumerate(LENS):
+        for t in range(n):
+            by.setdefault(min(int(lag[i, t]), 3), []).append(w[i][t])
+    assert set(by) == {0, 1, 2, 3} and not any(k.startswith("rollout_corr/lag4") for k in whole)
+    for k, ws in by.items():
+        assert whole[f"rollout_corr/lag{k}/tokens"] == len(ws)
+        assert whole[f"rollout_corr/lag{k}/tokens_masked_frac"] == pytest.approx(sum(x == 0 for x in ws) / len(ws))
+        assert whole[f"rollout_corr/lag{k}/weight_mean"] == pytest.approx(sum(ws) / len(ws), rel=1e-6)
+        assert whole[f"rollout_corr/lag{k}/weight_max"] == pytest.approx(max(ws), rel=1e-6)
+        assert whole[f"rollout_corr/lag{k}/ess"] == pytest.approx(sum(ws) ** 2 / (len(ws) * sum(x * x for x in ws)),
+                                                                  rel=1e-6)
+    assert 0 < whole["rollout_corr/tokens_masked_frac"] < 1
+    # without versions every token is lag 0, and lag 0 is the whole
+    plain = correction_metrics(correction_vector(corr, mask, 6).tolist())
+    assert plain["rollout_corr/lag0/weight_mean"] == pytest.approx(plain["rollout_corr/weight_mean"], rel=1e-12)
+    assert not any(k.startswith(("rollout_corr/lag1", "rollout_corr/lag2", "rollout_corr/lag3")) for k in plain)
+
+
 def test_metrics_with_mu_equal_pi_are_exact():
     old, _, mask = inputs()
     m = correction_metrics(correction_vector(rollout_correction(old, old, mask, rc()), mask, 6).tolist())

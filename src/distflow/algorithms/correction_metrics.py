@@ -17,6 +17,10 @@ whatever the correction is set to (with it off: what it would see).
     len_q{1..4}/...         the mask fractions, rho mean and sequence log ratio by response length:
                             quarter k holds sequences with (k-1)/4 <= trained tokens / budget < k/4
                             (the last also those at the budget)
+    lag{0..3}/...           by version lag (how many policy versions older than the engine's at the
+                            step the token's generating policy was; lag3 also counts older ones): the
+                            tokens, their masked fraction, the final weight's mean and max and the
+                            ESS; reported for the lags that hold tokens (carried-over tokens lag)
 """
 
 from __future__ import annotations
@@ -34,13 +38,19 @@ HEAD = ("tokens", "seqs", "rho_sum", "rho_max", "seq_log_ratio_sum", "tokens_mas
         "tokens_clipped", "weight_sum", "weight_sq_sum")
 BUCKETS = 4
 PER_BUCKET = ("seqs", "tokens", "seqs_masked", "tokens_masked", "rho_sum", "seq_log_ratio_sum")
-RHO_MAX = HEAD.index("rho_max")  # the entry that combines by max; the others add
-SIZE = len(HEAD) + len(LOG_EDGES) + 1 + BUCKETS * len(PER_BUCKET)
+LAGS = 4
+PER_LAG = ("tokens", "tokens_masked", "weight_sum", "weight_sq_sum", "weight_max")
+RHO_MAX = HEAD.index("rho_max")
+_LAG_AT = len(HEAD) + len(LOG_EDGES) + 1 + BUCKETS * len(PER_BUCKET)
+SIZE = _LAG_AT + LAGS * len(PER_LAG)
+# the entries that combine by max; the others add
+MAXIMA = (RHO_MAX, *(_LAG_AT + k * len(PER_LAG) + PER_LAG.index("weight_max") for k in range(LAGS)))
 
 
 @torch.no_grad()
-def correction_vector(c: Correction, mask: torch.Tensor, budget: int) -> torch.Tensor:
-    """This micro-batch's sums (see the module doc), float64, on the mask's device."""
+def correction_vector(c: Correction, mask: torch.Tensor, budget: int, lag: torch.Tensor | None = None) -> torch.Tensor:
+    """This micro-batch's sums (see the module doc), float64, on the mask's device; `lag` [B, T]:
+    each token's version lag (None: all 0)."""
     m = mask.bool()
     n_tok = m.sum(-1)
     has = n_tok > 0
@@ -61,7 +71,19 @@ def correction_vector(c: Correction, mask: torch.Tensor, budget: int) -> torch.T
                         torch.where(m, rho, torch.zeros_like(rho)).sum(-1).double(), seq_log.double()], dim=1)
     per = torch.zeros((BUCKETS, len(PER_BUCKET)), dtype=torch.float64, device=m.device)
     per.index_add_(0, bucket[has], rows[has])
-    return torch.cat([head, hist.double(), per.flatten()])
+    return torch.cat([head, hist.double(), per.flatten(), _by_lag(lag, m, masked_tok, w)])
+
+
+def _by_lag(lag: torch.Tensor | None, m: torch.Tensor, masked: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """[LAGS * len(PER_LAG)]: the trained tokens' counts, masked counts and weight sums and maxima by lag."""
+    k = torch.zeros_like(w, dtype=torch.long) if lag is None else lag[m].long().clamp(0, LAGS - 1)
+    per = torch.zeros((LAGS, len(PER_LAG)), dtype=torch.float64, device=m.device)
+    per[:, 0] = torch.bincount(k, minlength=LAGS).double()
+    per[:, 1] = torch.bincount(k, weights=masked[m].double(), minlength=LAGS)
+    per[:, 2].index_add_(0, k, w)
+    per[:, 3].index_add_(0, k, w * w)
+    per[:, 4] = per[:, 4].scatter_reduce(0, k, w, "amax")  # weights are >= 0: the zeros never win wrongly
+    return per.flatten()
 
 
 def empty_vector(device: torch.device | str = "cpu") -> torch.Tensor:
@@ -69,9 +91,10 @@ def empty_vector(device: torch.device | str = "cpu") -> torch.Tensor:
 
 
 def combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Two correction vectors as one: sums add, rho_max is the larger."""
+    """Two correction vectors as one: sums add, the maxima are the larger."""
     out = a + b
-    out[RHO_MAX] = torch.maximum(a[RHO_MAX], b[RHO_MAX])
+    idx = torch.tensor(MAXIMA, device=a.device)
+    out[idx] = torch.maximum(a[idx], b[idx])
     return out
 
 
@@ -83,7 +106,8 @@ class CorrectionSums:
 
     def __add__(self, other: "CorrectionSums") -> "CorrectionSums":
         out = [a + b for a, b in zip(self.values, other.values)]
-        out[RHO_MAX] = max(self.values[RHO_MAX], other.values[RHO_MAX])
+        for i in MAXIMA:
+            out[i] = max(self.values[i], other.values[i])
         return CorrectionSums(out)
 
 
@@ -104,10 +128,10 @@ def log_percentile(hist: list[float], q: float) -> float:
 
 
 def correction_metrics(values: list[float]) -> dict[str, float]:
-    """The rollout_corr/* metrics from a vector summed over ranks (rho_max combined by max)."""
+    """The rollout_corr/* metrics from a vector summed over ranks (the MAXIMA combined by max)."""
     head = dict(zip(HEAD, values[:len(HEAD)]))
     hist = values[len(HEAD):len(HEAD) + len(LOG_EDGES) + 1]
-    per = values[len(HEAD) + len(LOG_EDGES) + 1:]
+    per = values[len(HEAD) + len(LOG_EDGES) + 1:_LAG_AT]
     tokens, seqs = max(head["tokens"], 1.0), max(head["seqs"], 1.0)
     out = {
         "rollout_corr/rho_mean": head["rho_sum"] / tokens if head["tokens"] else 1.0,
@@ -128,4 +152,13 @@ def correction_metrics(values: list[float]) -> dict[str, float]:
                     f"rollout_corr/len_q{k + 1}/tokens_masked_frac": b["tokens_masked"] / t,
                     f"rollout_corr/len_q{k + 1}/rho_mean": b["rho_sum"] / t if b["tokens"] else 1.0,
                     f"rollout_corr/len_q{k + 1}/seq_log_ratio_mean": b["seq_log_ratio_sum"] / s})
+    for k in range(LAGS):
+        b = dict(zip(PER_LAG, values[_LAG_AT + k * len(PER_LAG):_LAG_AT + (k + 1) * len(PER_LAG)]))
+        if b["tokens"]:
+            out.update({f"rollout_corr/lag{k}/tokens": b["tokens"],
+                        f"rollout_corr/lag{k}/tokens_masked_frac": b["tokens_masked"] / b["tokens"],
+                        f"rollout_corr/lag{k}/weight_mean": b["weight_sum"] / b["tokens"],
+                        f"rollout_corr/lag{k}/weight_max": b["weight_max"],
+                        f"rollout_corr/lag{k}/ess": b["weight_sum"] ** 2 / (b["tokens"] * b["weight_sq_sum"])
+                        if b["weight_sq_sum"] else 1.0})
     return out

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from distflow.algorithms import distill
-from distflow.algorithms.correction_metrics import RHO_MAX, correction_metrics
+from distflow.algorithms.correction_metrics import MAXIMA, correction_metrics
 from distflow.algorithms.mismatch import EDGES, percentile
 from distflow.config import DistflowConfig
 from distflow.distributed import rank_and_world
@@ -65,7 +65,7 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
         **{f"upd/{f.name}": getattr(s, f.name) for f in fields(s) if f.name not in ("mismatch", "correction")},
         "mismatch/abs_sum": s.mismatch.abs_sum, "mismatch/kl_sum": s.mismatch.kl_sum,
         "mismatch/tokens": s.mismatch.tokens, **{f"mismatch/hist{k}": c for k, c in enumerate(s.mismatch.hist)},
-        **{f"rollout_corr/v{k}": v for k, v in enumerate(s.correction.values) if k != RHO_MAX},
+        **{f"rollout_corr/v{k}": v for k, v in enumerate(s.correction.values) if k not in MAXIMA},
     }
     if cfg.task.env or cfg.task.agent:
         sums.update(episode_sums(samples))
@@ -82,7 +82,7 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
     maxima.update({"timing/slowest_rank": slowest_rank_code(timing["compute"]),
                    "response_length/max": float(max(resp_lens)), "sync/max_abs_logprob_diff": probe,
                    "dynamic_sampling/rounds": float(stats.rounds), "mismatch/abs_max": s.mismatch.abs_max,
-                   f"rollout_corr/v{RHO_MAX}": s.correction.values[RHO_MAX],
+                   **{f"rollout_corr/v{k}": s.correction.values[k] for k in MAXIMA},
                    **({f"distill/v{distill.MAX}": teacher[distill.MAX]} if teacher else {}),
                    **gpu_memory()})
     if carryover:

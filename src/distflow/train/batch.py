@@ -148,6 +148,9 @@ class UpdateBatch:
     # [B, R] the policy version that generated each response token (0 on padding); None when a
     # sample did not record its versions
     token_versions: torch.Tensor | None = None
+    # [B, R] how many versions each token's generating policy is behind the engine's at this step
+    # (carried-over tokens lag); None: no versions recorded
+    token_lag: torch.Tensor | None = None
     # [B, R] the tokens the engine/trainer mismatch is measured on: those of the engine's current
     # version (older ones differ by the updates between); None: the loss mask
     mismatch_mask: torch.Tensor | None = None

@@ -88,6 +88,8 @@ class Learner:
             batch = batch.with_(sample_of=torch.tensor(sample_of, dtype=torch.long, device=device),
                                 sample_resp_len=torch.tensor([len(s.response_ids) for s in samples], device=device))
         versions = batch.token_versions
+        if versions is not None:
+            batch = batch.with_(token_lag=current_version - versions)
         if versions is not None and bool((versions != current_version)[batch.loss_mask.bool()].any()):
             batch = batch.with_(mismatch_mask=batch.loss_mask * (versions == current_version))
         return batch

@@ -301,7 +301,8 @@ class Updater:
                 sums.add("forward_tokens", torch.full((), float(mb.inputs.input_ids.numel()), device=logp.device))
                 measured = mask if batch.mismatch_mask is None else mb.cut(batch.mismatch_mask)
                 sums.add_vector("mismatch", mismatch_vector(old, engine, measured), combine_mismatch)
-                sums.add_vector("correction", correction_vector(info["correction"], mask, self.response_budget),
+                lag = mb.cut(batch.token_lag) if batch.token_lag is not None else None
+                sums.add_vector("correction", correction_vector(info["correction"], mask, self.response_budget, lag),
                                 combine_correction)
                 for key in ("clip_low", "clip_high", "dual_clip", "kl", "entropy"):
                     if key in info:
