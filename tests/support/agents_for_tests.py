@@ -80,6 +80,18 @@ async def branching(ctx):
     _note(ctx, r)
 
 
+async def slow(ctx):
+    """Two requests with 0.3 s of the harness's own work between them (a slow tool)."""
+    client = _client(ctx)
+    messages = list(ctx.messages)
+    for turn in range(2):
+        if turn:
+            await asyncio.sleep(0.3)
+        r = await client.chat.completions.create(model=ctx.model, messages=messages, **ASK)
+        _note(ctx, r)
+        messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Tool: 7."}]
+
+
 STOPS = list("aeiou ")  # a random model's turn soon holds one of these
 
 
@@ -266,7 +278,7 @@ async def errors(ctx):
 
 
 KINDS = {f.__name__: f for f in (react, blocking, blocking_once, branching, editing, completion, titled, claude,
-                                  raises, hangs, silent, errors, stopping)}
+                                  raises, hangs, silent, errors, stopping, slow)}
 
 
 def dispatch(ctx):

@@ -614,6 +614,13 @@ FAULTS: list[Fault] = [
           (E + "task.agent_exclude picks requests of a harness's episodes: it needs task.agent",),
           "nothing was started", "Set `task.agent` to the harness, or drop the filter.",
           _config({"task": {"agent_exclude": "my_agent:is_title"}})),
+    Fault("agent-timeout-past-collectives", "agents",
+          "a tensor-parallel engine with `agent.episode_timeout_s` at or past `run.collective_timeout_s`",
+          (E + "agent.episode_timeout_s=900.0 must be < run.collective_timeout_s=600.0 with a tensor-parallel engine "
+               "(a rank waits in the group's step while another rank's harness works)",),
+          "nothing was started", "Lower `agent.episode_timeout_s`, or raise `run.collective_timeout_s`.",
+          _config({"task": {"agent": "my_agent:run"}, "agent": {"episode_timeout_s": 900.0},
+                   "rollout": {"tensor_parallel_size": 2}, "model": {"path": "/tmp"}})),
     Fault("agent-port-in-use", "agents", "`agent.port` taken by another program",
           (E + "the agent endpoint cannot listen on 127.0.0.1:<N> (Address already in use): choose another agent.port "
                "(local rank r uses agent.port + r), or 0 for any free port",),

@@ -90,8 +90,11 @@ def _across_sections(cfg: DistflowConfig) -> list[tuple[bool, str]]:
          "task.agent_exclude picks requests of a harness's episodes: it needs task.agent"),
         (not cfg.task.agent or cfg.pipeline.mode == "sync",
          "task.agent runs with pipeline.mode=sync (harness episodes are not carried over yet)"),
-        (not cfg.task.agent or r.tensor_parallel_size == 1,
-         "task.agent needs rollout.tensor_parallel_size=1 (each rank's endpoint feeds its own engine)"),
+        (not cfg.task.agent or r.tensor_parallel_size == 1
+         or cfg.agent.episode_timeout_s < cfg.run.collective_timeout_s,
+         f"agent.episode_timeout_s={cfg.agent.episode_timeout_s} must be < run.collective_timeout_s="
+         f"{cfg.run.collective_timeout_s} with a tensor-parallel engine (a rank waits in the group's step while "
+         "another rank's harness works)"),
         (a.overlong_buffer_len < budget,
          f"algorithm.overlong_buffer_len={a.overlong_buffer_len} must be < the response length limit {budget} "
          "(rollout.max_new_tokens; multi-turn: rollout.max_total_tokens)"),

@@ -37,6 +37,7 @@ from typing import Any, Callable
 from distflow.config import DistflowConfig
 from distflow.rollout.agents.endpoint import ApiError, Endpoint, build_app
 from distflow.rollout.agents.gateway import Episode, Gateway, Submission
+from distflow.rollout.base import step_unless
 from distflow.sample import EpisodeInfo, Sample
 from distflow.seeds import derive_seed
 from distflow.tasks.prompts import PromptItem
@@ -115,7 +116,13 @@ class AgentRunner:
     def _pump(self, episodes: list[Episode]) -> None:
         """Engine requests in, finished samples out, until every harness has returned or been cut.
         With agent.wait=wave the engine steps only while every running episode has a request out;
-        the requests that arrived since the last step then join in (episode, request) order."""
+        the requests that arrived since the last step then join in (episode, request) order.
+
+        A tensor-parallel engine group (distflow.rollout.engine_group) steps as one: each rank joins
+        a step once its own wave is ready (its running episodes all have a request out), so the
+        group steps once every rank's is, and a rank whose episodes are over keeps joining, with
+        its stop flag, until every rank's are."""
+        grouped = hasattr(self.engine, "step_unless")
         inflight: dict[str, Submission] = {}
         held: list[Submission] = []
         incoming, wave = self.gateway.submissions, self.cfg.agent.wait == "wave"
@@ -137,10 +144,16 @@ class AgentRunner:
                 for sub in sorted(held, key=lambda s: (s.episode.order, s.number)):
                     self._take(sub, inflight)
                 held = []
-            if not inflight and not held and not live and incoming.empty():
+            over = not inflight and not held and not live and incoming.empty()
+            if over and not grouped:
                 return
-            if release and self.engine.pending():
-                for request_id, samples in self.engine.step():
+            if release and (self.engine.pending() or grouped):
+                if grouped and not over and not self.engine.pending():  # (free: a harness is working)
+                    time.sleep(0.005)
+                finished = step_unless(self.engine, over)
+                if finished is None:
+                    return
+                for request_id, samples in finished:
                     inflight.pop(request_id).future.set_result(samples)
             else:  # a harness is working (tools, its own logic): wait for a request, a return or a deadline
                 try:
