@@ -23,7 +23,6 @@ from distflow.config import DistflowConfig
 from distflow.rollout.agents.episodes import AgentRunner
 from distflow.rollout.engine_group import EngineGroup
 from distflow.rollout.hf_engine import HFEngine
-from distflow.tasks.prompts import PromptEncoder, PromptItem
 
 
 def _cfg(model_dir) -> DistflowConfig:
@@ -32,15 +31,6 @@ def _cfg(model_dir) -> DistflowConfig:
         "task": {"path": "unused.jsonl", "agent": "agents_for_tests:dispatch"},
         "rollout": {"engine": "hf", "max_new_tokens": 8, "max_turns": 3, "max_total_tokens": 192,
                     "max_prompt_tokens": 128}}).validate()
-
-
-def _items(tok, kinds) -> list[PromptItem]:
-    out = []
-    for k, kind in enumerate(kinds):
-        messages = [{"role": "user", "content": f"What is {k} + 5?"}]
-        ids, text = PromptEncoder(tok)(messages)
-        out.append(PromptItem(ids, text, str(k + 5), {"kind": kind}, messages))
-    return out
 
 
 def _rows(groups):
@@ -52,7 +42,7 @@ def _worker(rank, world, model_dir):
     tok = AutoTokenizer.from_pretrained(model_dir)
     # rank 0: three ReAct episodes; rank 1: one harness that works 0.3 s between its two requests
     kinds = ["react", "react", "react"] if rank == 0 else ["slow"]
-    items, seeds = _items(tok, kinds), [10 * rank + k for k in range(len(kinds))]
+    items, seeds = agents_for_tests.items(tok, kinds), [10 * rank + k for k in range(len(kinds))]
     group = EngineGroup(HFEngine(model_dir, cfg.model, cfg.rollout, torch.device("cpu")), dist.group.WORLD)
     runner = AgentRunner(group, tok, cfg, agents_for_tests.dispatch)
     agents_for_tests.RECORD.clear()

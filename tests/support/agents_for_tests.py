@@ -20,6 +20,18 @@ TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b"
 ASK = {"max_tokens": 6, "logprobs": True, "extra_body": {"return_token_ids": True}}
 
 
+def items(tok, kinds: list[str]) -> list:
+    """One task row per harness kind (fields["kind"], which `dispatch` reads), each its own question."""
+    from distflow.tasks.prompts import PromptEncoder, PromptItem
+
+    out = []
+    for k, kind in enumerate(kinds):
+        messages = [{"role": "user", "content": f"What is {k} + 3?"}]
+        ids, text = PromptEncoder(tok)(messages)
+        out.append(PromptItem(ids, text, str(k + 3), {"kind": kind}, messages))
+    return out
+
+
 def _client(ctx, **kw):
     return openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0, **kw)
 
@@ -204,7 +216,8 @@ async def react_two_choices(ctx):
         messages.append(m.model_dump(exclude_none=True))
         for call in m.tool_calls or []:
             args = json.loads(call.function.arguments)
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": str(args.get("a", 0) + args.get("b", 0))})
+            total = args.get("a", 0) + args.get("b", 0)
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": str(total)})
         if not m.tool_calls:
             messages.append({"role": "user", "content": "Check it."})
 

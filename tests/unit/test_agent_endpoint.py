@@ -21,7 +21,7 @@ from distflow.config import ConfigError, DistflowConfig
 from distflow.rollout.agents.endpoint import Endpoint, build_app
 from distflow.rollout.agents.episodes import AgentRunner
 from distflow.rollout.hf_engine import HFEngine
-from distflow.tasks.prompts import PromptEncoder, PromptItem
+from distflow.tasks.prompts import PromptItem
 from distflow.train.batch import TokenBatch
 from distflow.train.lm_head import token_stats
 from distflow.train.shared_prefix import install, pack, plan_packed, row_tokens
@@ -38,15 +38,6 @@ def _cfg(tiny_model_dir, wait="wave") -> DistflowConfig:
         "rollout": {"engine": "hf", "max_new_tokens": 8, "max_turns": 3, "max_total_tokens": 192,
                     "max_prompt_tokens": 128},
         "agent": {"episode_timeout_s": TIMEOUT_S, "wait": wait}}).validate()
-
-
-def _items(tok) -> list[PromptItem]:
-    out = []
-    for k, kind in enumerate(KINDS):
-        messages = [{"role": "user", "content": f"What is {k} + 3?"}]
-        ids, text = PromptEncoder(tok)(messages)
-        out.append(PromptItem(ids, text, str(k + 3), {"kind": kind}, messages))
-    return out
 
 
 class _Lines(logging.Handler):
@@ -68,20 +59,20 @@ def episodes(tiny_model_dir):
     runner = AgentRunner(engine, tok, cfg, agents_for_tests.dispatch, exclude=agents_for_tests.is_title)
     agents_for_tests.RECORD.clear()
     start = time.monotonic()
-    groups = runner.run(_items(tok), 1, list(range(100, 100 + len(KINDS))))
+    groups = runner.run(agents_for_tests.items(tok, KINDS), 1, list(range(100, 100 + len(KINDS))))
     took = time.monotonic() - start
     records = dict(agents_for_tests.RECORD)
     # the well-behaved kinds twice more: agent.wait=wave makes the engine's batches, so its logprobs
     # to the last bit, independent of thread timing; wait=free gives the same tokens
-    twice = [runner.run(_items(tok)[:5], 1, list(range(100, 105))) for _ in range(2)]
+    twice = [runner.run(agents_for_tests.items(tok, KINDS)[:5], 1, list(range(100, 105))) for _ in range(2)]
     free = AgentRunner(HFEngine(tiny_model_dir, cfg.model, cfg.rollout, torch.device("cpu")), tok,
                        _cfg(tiny_model_dir, "free"), agents_for_tests.dispatch)
-    loose = free.run(_items(tok)[:5], 1, list(range(100, 105)))
+    loose = free.run(agents_for_tests.items(tok, KINDS)[:5], 1, list(range(100, 105)))
     free.close()
     # more blocking harnesses at once than a fixed thread pool would hold: each has its thread, and the
     # wave (every episode with a request out) forms instead of waiting for a thread that never frees
     crowd = [PromptItem(it.prompt_ids, it.prompt_text, it.answer, {"kind": "blocking_once"}, it.messages)
-             for it in _items(tok)[:2]]
+             for it in agents_for_tests.items(tok, KINDS)[:2]]
     crowded = runner.run(crowd, 40, [7, 8])
     logging.getLogger("distflow").removeHandler(warnings)
     yield {"samples": [g[0] for g in groups], "records": records, "took": took, "twice": twice, "free": loose,
@@ -246,7 +237,7 @@ def test_the_example_harness_is_the_documented_one_and_runs(tiny_model_dir, tmp_
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     runner = AgentRunner(HFEngine(tiny_model_dir, cfg.model, cfg.rollout, torch.device("cpu")), tok, cfg, module.run)
     try:
-        samples = [g[0] for g in runner.run(_items(tok)[:3], 1, [1, 2, 3])]
+        samples = [g[0] for g in runner.run(agents_for_tests.items(tok, KINDS)[:3], 1, [1, 2, 3])]
     finally:
         runner.close()
     for s in samples:
