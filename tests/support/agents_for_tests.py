@@ -44,6 +44,17 @@ def _note(ctx, response, kind="chat"):
                                "ids": choice.model_extra["token_ids"], "logprobs": lps})
 
 
+def _react_step(messages: list[dict], message, observation: str) -> None:
+    """Append the model's turn, then the add tool's result for each call it made, or `observation`."""
+    messages.append(message.model_dump(exclude_none=True))
+    for call in message.tool_calls or []:
+        args = json.loads(call.function.arguments)
+        total = args.get("a", 0) + args.get("b", 0)
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": str(total)})
+    if not message.tool_calls:
+        messages.append({"role": "user", "content": observation})
+
+
 async def react(ctx):
     """A ReAct-style loop: the add tool offered by function calling; a call is answered with the
     tool's result, a plain answer with an observation, three requests at most."""
@@ -52,14 +63,7 @@ async def react(ctx):
     for _ in range(3):
         r = await client.chat.completions.create(model=ctx.model, messages=messages, tools=TOOLS, **ASK)
         _note(ctx, r)
-        m = r.choices[0].message
-        messages.append(m.model_dump(exclude_none=True))
-        for call in m.tool_calls or []:
-            args = json.loads(call.function.arguments)
-            total = args.get("a", 0) + args.get("b", 0)
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": str(total)})
-        if not m.tool_calls:
-            messages.append({"role": "user", "content": "Observation: think again."})
+        _react_step(messages, r.choices[0].message, "Observation: think again.")
     return None
 
 
@@ -212,14 +216,7 @@ async def react_two_choices(ctx):
                                                  extra_body={"return_token_ids": True})
         _save("answers", [{"prompt": r.model_extra["prompt_token_ids"], "ids": c.model_extra["token_ids"]}
                           for c in r.choices])
-        m = r.choices[0].message
-        messages.append(m.model_dump(exclude_none=True))
-        for call in m.tool_calls or []:
-            args = json.loads(call.function.arguments)
-            total = args.get("a", 0) + args.get("b", 0)
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": str(total)})
-        if not m.tool_calls:
-            messages.append({"role": "user", "content": "Check it."})
+        _react_step(messages, r.choices[0].message, "Check it.")
 
 
 def _save(kind: str, entries: list[dict]) -> None:
