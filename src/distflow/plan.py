@@ -63,7 +63,8 @@ class Resolved:
         """The second half: layout and model folder. `model_path`/`critic_path`: local folders
         (default: model.path and critic.path resolved here, once per node; a collective)."""
         cfg = self.cfg
-        layout = ParallelLayout.from_config(cfg.model, dist, cfg.rollout.tensor_parallel_size)
+        layout = ParallelLayout.from_config(cfg.model, dist, cfg.rollout.tensor_parallel_size,
+                                            cfg.pipeline.rollout_ranks)
         if model_path is None:
             model_path = _local_folder(cfg.model.path, dist)
         if critic_path is None:

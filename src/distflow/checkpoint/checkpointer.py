@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.checkpoint.stateful import Stateful
 
 from distflow.config import ConfigError
-from distflow.distributed import agree_failure, one_line, rank_and_world
+from distflow.distributed import agree_failure, one_line, rank_and_world, role_group
 from distflow.checkpoint.reader import is_count, is_plain_name, load_checkpoint
 from distflow.errors import CheckpointSaveError, free_space
 from distflow.seeds import derive_seed
@@ -272,7 +272,7 @@ class Checkpointer:
 
         def write_shards() -> None:
             if states["sharded"]:
-                dcp.save(states["sharded"], checkpoint_id=str(tmp))
+                dcp.save(states["sharded"], checkpoint_id=str(tmp), process_group=role_group())
             (tmp / f"rank_{self.rank}.json").write_text(json.dumps(states["rank"]))
 
         def ready() -> None:  # every rank's shards are written; nothing makes them a checkpoint yet

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
 from distflow.config import ConfigError
+from distflow.distributed import role_group
 
 METADATA = ".metadata"
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
@@ -142,7 +143,7 @@ def load_checkpoint(state: dict[str, Any], folder: Path | str) -> None:
     read_metadata(Path(folder))
     reader = RestrictedReader(folder)
     try:
-        dcp.load(state, storage_reader=reader, planner=RestrictedPlanner(reader))
+        dcp.load(state, storage_reader=reader, planner=RestrictedPlanner(reader), process_group=role_group())
     except CheckpointException as e:  # a rank's failure, handed to every rank by DCP
         for error, _ in e.failures.values():
             if isinstance(error, ConfigError):

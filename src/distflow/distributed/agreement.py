@@ -22,7 +22,7 @@ from typing import Iterator, TypeVar
 
 import torch.distributed as dist
 
-from distflow.distributed.collectives import all_reduce, rank_and_world, waiting
+from distflow.distributed.collectives import all_reduce, global_rank, rank_and_world, role_group, waiting
 from distflow.errors import ConfigError, RunAborted, RunComplete
 
 log = logging.getLogger("distflow")
@@ -45,10 +45,10 @@ def failed_rank(code: float, failure: T | None) -> tuple[int, T] | None:
     if not code:
         return None
     src, box = int(code) - 1, [failure]
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if rank_and_world()[1] > 1:
         with waiting():
-            dist.broadcast_object_list(box, src=src)
-    return src, box[0]
+            dist.broadcast_object_list(box, group=role_group(), group_src=src)
+    return global_rank(src), box[0]
 
 
 def agree_failure(failure: T | None) -> tuple[int, T] | None:

@@ -137,9 +137,49 @@ def waited_s() -> float:
     return _waited_s
 
 
+@dataclass(frozen=True)
+class RoleScope:
+    """The group this process's collectives run on once the ranks took roles (pipeline.mode=split):
+    a trainer's all_reduces, agreements and checkpoints are the trainers' alone, a rollout rank's the
+    rollout ranks'. `ranks`: the group's global ranks, in order; `rank`: this rank's index among them."""
+
+    group: object
+    ranks: tuple[int, ...]
+    rank: int
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+_scope: RoleScope | None = None  # None: the whole world (sync and carry-over runs)
+
+
+def enter_scope(scope: RoleScope | None) -> None:
+    """From here on distflow's collectives (and `role_group`'s users) run on `scope`'s group."""
+    global _scope
+    _scope = scope
+
+
+def role_group():
+    """The process group of this rank's role; None means the default group (no roles)."""
+    return _scope.group if _scope is not None else None
+
+
 def rank_and_world() -> tuple[int, int]:
-    """(rank, world size) of the default group; (0, 1) when no group is initialised."""
+    """(rank, world size) within this rank's role, or of the default group; (0, 1) without a group."""
+    if _scope is not None:
+        return _scope.rank, _scope.size
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def global_rank(role_rank: int) -> int:
+    """The global rank of a rank numbered within this rank's role (the number a user sees in the logs)."""
+    return _scope.ranks[role_rank] if _scope is not None else role_rank
+
+
+def _alone() -> bool:
+    return not dist.is_initialized() or rank_and_world()[1] == 1
 
 
 def all_reduce(values: torch.Tensor | list[float] | float, op: str = "sum") -> torch.Tensor:
@@ -148,23 +188,23 @@ def all_reduce(values: torch.Tensor | list[float] | float, op: str = "sum") -> t
     On nccl the data must live on the GPU; the helper moves it there and back.
     """
     t = torch.as_tensor(values, dtype=torch.float64).clone().reshape(-1)
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if _alone():
         return t
     if dist.get_backend() == "nccl":
         t = t.cuda()
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     with waiting():
-        complete([dist.all_reduce(t, op=ops[op], async_op=True)])
+        complete([dist.all_reduce(t, op=ops[op], group=role_group(), async_op=True)])
     return t.cpu()
 
 
 def broadcast_object(obj):
-    """Rank 0's value of a small picklable object, on every rank."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    """Rank 0's value of a small picklable object, on every rank (of the role: its first rank's)."""
+    if _alone():
         return obj
     box = [obj]
     with waiting():
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, group=role_group(), group_src=0)
     return box[0]
 
 
@@ -184,9 +224,9 @@ def on_local_rank0_first(fn: Callable[[], T], local_rank: int) -> T:
 
 
 def barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if not _alone():
         with waiting():
-            complete([dist.barrier(async_op=True)])
+            complete([dist.barrier(group=role_group(), async_op=True)])
 
 
 def shutdown() -> None:

@@ -86,11 +86,11 @@ def exchange(outgoing: list[list[Any]], device: torch.device = torch.device("cpu
     list for this rank itself is passed through without pickling. `device` is where the byte
     tensors live: cpu for gloo, this rank's cuda device for nccl.
     """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    rank, world = dd.rank_and_world()  # within the role's group when the ranks took roles
+    if world == 1:
         if len(outgoing) != 1:
             raise ValueError(f"expected 1 outgoing list, got {len(outgoing)}")
         return [list(outgoing[0])]
-    world, rank = dist.get_world_size(), dist.get_rank()
     if len(outgoing) != world:
         raise ValueError(f"expected {world} outgoing lists, got {len(outgoing)}")
 
@@ -100,7 +100,7 @@ def exchange(outgoing: list[list[Any]], device: torch.device = torch.device("cpu
     send_counts = torch.tensor(send_sizes, dtype=torch.int64, device=device)
     recv_counts = torch.empty_like(send_counts)
     with dd.waiting():
-        dd.complete([dist.all_to_all_single(recv_counts, send_counts, async_op=True)])
+        dd.complete([dist.all_to_all_single(recv_counts, send_counts, group=dd.role_group(), async_op=True)])
     recv_sizes = recv_counts.tolist()
 
     payload = b"".join(blobs)
@@ -109,7 +109,8 @@ def exchange(outgoing: list[list[Any]], device: torch.device = torch.device("cpu
     recv_buf = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
     with dd.waiting():
         dd.complete([dist.all_to_all_single(recv_buf, send_buf, output_split_sizes=recv_sizes,
-                                            input_split_sizes=send_sizes, async_op=True)])
+                                            input_split_sizes=send_sizes, group=dd.role_group(),
+                                            async_op=True)])
 
     data = recv_buf.cpu().numpy().tobytes()
     incoming: list[list[Any]] = []
@@ -130,9 +131,9 @@ def _gather_costs(costs: list[int], device: torch.device) -> list[list[int]]:
     row[0] = len(costs)
     if costs:
         row[1:len(costs) + 1] = torch.tensor(costs, dtype=torch.int64)
-    rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+    rows = [torch.empty_like(row) for _ in range(dd.rank_and_world()[1])]
     with dd.waiting():
-        dd.complete([dist.all_gather(rows, row, async_op=True)])
+        dd.complete([dist.all_gather(rows, row, group=dd.role_group(), async_op=True)])
     out = []
     for t in rows:
         vals = t.tolist()
@@ -158,11 +159,11 @@ def balance_groups(groups: list[Any], costs: list[int],
     costs = [int(c) for c in costs]
     if len(groups) != len(costs):
         raise ValueError(f"{len(groups)} groups but {len(costs)} costs")
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    rank, world = dd.rank_and_world()
+    if world == 1:
         total = [sum(costs)]
         return list(groups), _stats(total, total, 0)
 
-    rank = dist.get_rank()
     all_costs = _gather_costs(costs, device)
     plan = balanced_assignment(all_costs)
     before = [sum(row) for row in all_costs]

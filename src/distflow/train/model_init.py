@@ -20,15 +20,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+from distflow.distributed import role_group
 from distflow.models.anatomy import attention_kwargs, skeleton
 
 
 def initial_model(auto_cls, model_path: str, config, meta_device: bool,
                   trust_remote_code: bool = False) -> tuple[torch.nn.Module, Callable[[], torch.nn.Module]]:
     """(model, load): `auto_cls`'s fp32 model for `config` from `model_path`, either loaded now or,
-    with `meta_device`, as a skeleton that ShardedModel fills by calling `load` on rank 0."""
+    with `meta_device`, as a skeleton that ShardedModel fills by calling `load` on rank 0. Ranks that
+    took roles (pipeline.mode=split) each load it: torch's broadcast_from_rank0 runs on the default
+    group, which holds the rollout ranks too."""
     load = functools.partial(auto_cls.from_pretrained, model_path, config=config, dtype=torch.float32,
                              trust_remote_code=trust_remote_code, **attention_kwargs(config))
+    meta_device = meta_device and role_group() is None
     return (skeleton(auto_cls, config, trust_remote_code) if meta_device else load()), load
 
 

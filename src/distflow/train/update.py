@@ -26,7 +26,7 @@ from distflow.algorithms.correction_metrics import combine as combine_correction
 from distflow.algorithms.mismatch import MismatchSums, mismatch_vector
 from distflow.algorithms.mismatch import combine as combine_mismatch
 from distflow.config import DistflowConfig
-from distflow.distributed import all_reduce
+from distflow.distributed import all_reduce, rank_and_world
 from distflow.distributed.devices import concrete
 from distflow.sample import Sample
 from distflow.train.batch import CURRENT_POLICY, TokenBatch, UpdateBatch
@@ -267,7 +267,7 @@ class Updater:
         the policy at the weights that sampled (the update's own forward when one optimizer step
         follows each rollout), so comparing it with the engine's logprobs measures the
         engine/trainer mismatch for free."""
-        a, world = self.algorithm, torch.distributed.get_world_size()
+        a, world = self.algorithm, rank_and_world()[1]  # FSDP's mesh
         micro = self.micro_batches(batch.tokens, rows) if micro is None else micro
         denom = self._denominator(micro, batch.loss_mask)
         sums = DeviceSums()
@@ -313,7 +313,7 @@ class Updater:
                        micro: list[MicroBatch] | None = None) -> UpdateSums:
         """The critic's counterpart of backward_policy: clipped value loss, aggregated with the
         algorithm's loss_agg_mode over the global mini-batch, same passes on every rank."""
-        a, world = self.algorithm, torch.distributed.get_world_size()
+        a, world = self.algorithm, rank_and_world()[1]  # FSDP's mesh
         micro = self.micro_batches(batch.tokens, rows) if micro is None else micro
         resp_mask = batch.tokens.resp_mask
         denom = self._denominator(micro, resp_mask)
