@@ -2,7 +2,7 @@
 
 Every algorithm runs through it (algorithm=grpo, dapo, ppo, ...). Thin by design: compose the
 config, build the typed one (distflow.config checks every key and value), hand it to
-distflow.trainer.Trainer. The library itself never imports Hydra.
+distflow.job.build_job (the Trainer; in a split run, this rank's role). The library itself never imports Hydra.
 
 `python recipes/grpo.py --check-config [overrides ...]` is the launchers' pre-flight
 (launch/local.sh, launch/slurm/): one process composes and validates the config, with no
@@ -161,9 +161,9 @@ def main(cfg: DictConfig) -> None:
             # .hydra/ could not be written there: one process says why before torch loads; under
             # torchrun rank 0's lock says it (start_run) and every rank reports it
             RunDir(config.validate().run.output_dir).check()
-        from distflow.trainer import Trainer
+        from distflow.job import build_job
 
-        trainer = Trainer(config)
+        trainer = build_job(config)  # the trainer (a split run: this rank's role)
     except ConfigError as e:
         report_error(str(e))
         sys.exit(EXIT_CONFIG)

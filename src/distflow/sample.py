@@ -7,6 +7,7 @@ makes samples, and distflow.train, which pads them into the update batch.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +38,23 @@ class Sample:
     def generated(self) -> int:
         """Response tokens the model generated (observation tokens excluded)."""
         return len(self.response_ids) if self.mask is None else sum(self.mask)
+
+
+def sample_to_data(s: Sample) -> dict:
+    """A sample as JSON data (checkpoint state: carried groups, groups in flight); `sample_from_data` reads it."""
+    return {"prompt_ids": s.prompt_ids, "response_ids": s.response_ids, "logprobs": s.logprobs,
+            "truncated": s.truncated, "versions": s.versions, "mask": s.mask,
+            "episode": None if s.episode is None else dataclasses.asdict(s.episode)}
+
+
+def sample_from_data(d: dict) -> Sample:
+    ids, lps, versions = list(map(int, d["response_ids"])), list(map(float, d["logprobs"])), d["versions"]
+    versions = None if versions is None else list(map(int, versions))
+    mask = None if d.get("mask") is None else list(map(int, d["mask"]))
+    if len(lps) != len(ids) or any(x is not None and len(x) != len(ids) for x in (versions, mask)):
+        raise ValueError("a saved sample's tokens, logprobs, versions and mask differ in length")
+    episode = None if d.get("episode") is None else EpisodeInfo(**d["episode"])
+    return Sample(list(map(int, d["prompt_ids"])), ids, lps, bool(d["truncated"]), mask, episode, versions)
 
 
 @dataclass

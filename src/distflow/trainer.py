@@ -30,7 +30,7 @@ from pathlib import Path
 from distflow.checkpoint.checkpointer import POLICY, Checkpointer
 from distflow.checkpoint.export import export_live
 from distflow.config import DistflowConfig
-from distflow.distributed import all_reduce, one_rank_may_fail, shutdown, waited_s
+from distflow.distributed import all_reduce, one_rank_may_fail, rank_and_world, shutdown, waited_s
 from distflow.errors import RunAborted
 from distflow.metrics.report import Reporter, StepRecord
 from distflow.metrics.timer import PhaseTimer
@@ -40,7 +40,7 @@ from distflow.rollout.schedule import bound_problem
 from distflow.run.faults import FaultInjector
 from distflow.run.preemption import StepBoundary, Stopped, StopSignal
 from distflow.sample import training_rows
-from distflow.startup import start_run
+from distflow.startup import Run, start_run
 from distflow.tasks import Task
 from distflow.train.learner import Learner
 from distflow.train.model_rewards import ModelRewards
@@ -49,11 +49,15 @@ log = logging.getLogger("distflow")
 
 
 class Trainer:
-    def __init__(self, cfg: DistflowConfig, observers: list | None = None):
+    def __init__(self, cfg: DistflowConfig, observers: list | None = None, started: tuple[Run, StopSignal] | None = None):
+        """`started`: the run and its stop signal when start_run ran already (distflow.job); else it runs here."""
         # From start_run on SIGTERM/SIGUSR1 only set a flag: the run saves and stops after its next step
         # (also when the signal comes during start-up, so a requeued job is requeued again).
-        self.stop_signal = StopSignal()
-        self.run = run = start_run(cfg, self.stop_signal)  # may stop here (a config error, a finished run)
+        if started is None:
+            stop_signal = StopSignal()
+            started = start_run(cfg, stop_signal), stop_signal  # may stop here (a config error, a finished run)
+        run, self.stop_signal = started
+        self.run = run
         self.cfg = cfg = run.cfg
         self.dist, self.run_dir = run.dist, run.run_dir
         faults = [FaultInjector(cfg.run.fault_inject, self.dist.rank)] if cfg.run.fault_inject else []
@@ -63,14 +67,13 @@ class Trainer:
             self.task = Task.from_config(cfg.task, run.tokenizer, cfg.rollout.max_prompt_tokens,
                                          splits=("train", "heldout") if cfg.validation.wanted else ("train",))
             log.info(f"loading weights: {cfg.model.path} into the {cfg.rollout.engine} engine and the policy")
-            self.rollout = Rollout(cfg, self.dist, self.task, run.tokenizer, run.plan.model_path,
-                                   run.plan.layout.engine_group, self.timer)
+            self.rollout = self.build_rollout()
             self.learner = Learner(cfg, run.plan.layout, run.plan.model_path, run.plan.critic_path, run.pad_id,
                                    self.timer.phase, run.plan.teacher_path)
             # reward models and LLM judges: frozen models scoring each rank's samples, beside the reward functions
             self.model_rewards = ModelRewards(cfg, run.plan.layout, run.plan.scorer_paths, self.timer.phase) \
                 if cfg.task.has_reward_models else None
-            self.probe = EngineProbe(self.rollout, self.learner.policy, cfg.run, cfg.model.dtype, run.pad_id)
+            self.probe = self.build_probe()
             self.validator = Validator(cfg.validation, cfg.run.steps, self.rollout.evaluate)
             self.step, self.nonfinite_streak = 0, 0
             self.last_metrics: dict[str, float] = {}
@@ -82,6 +85,14 @@ class Trainer:
                                  resumed_step=self.step)
         c = cfg.checkpoint
         self.boundary = StepBoundary(c.every, c.every_s, c.at_end)
+
+    def build_rollout(self) -> Rollout:
+        run = self.run
+        return Rollout(self.cfg, self.dist, self.task, run.tokenizer, run.plan.model_path, run.plan.layout.engine_group,
+                       self.timer)
+
+    def build_probe(self) -> EngineProbe:
+        return EngineProbe(self.rollout, self.learner.policy, self.cfg.run, self.cfg.model.dtype, self.run.pad_id)
 
     # ----------------------------------------------------------------- the loop
     def train(self) -> None:
@@ -203,9 +214,8 @@ class Trainer:
         ck.register_model(POLICY, policy.model, policy.optimizer, policy.scheduler, trainable_only=policy.lora)
         if critic is not None:
             ck.register_model("critic", critic.model, critic.optimizer, critic.scheduler)
-        ck.register("sampler", self.rollout.sampler, "rank")
-        if self.cfg.pipeline.mode == "carryover":  # the groups cut at the last boundary, as data
-            ck.register("carry", self.rollout.carry, "rank")
+        for name, state in self.rollout.rank_state().items():  # the data cursor, groups carried or in flight
+            ck.register(name, state, "rank")
         ck.register_rng(self.dist.device, self.cfg.run.seed)
         ck.register("trainer", self, "shared")
 
@@ -223,7 +233,7 @@ class Trainer:
             return
         self.checkpointer.load(Path(path))
         self.sync_weights()
-        saved, now = self.run.resume.saved_world_size, self.dist.world_size
+        saved, now = self.run.resume.saved_world_size, rank_and_world()[1]  # (the trainers, in a split run)
         resized = f" written by {saved} rank(s), now {now}" if saved != now else ""
         log.info(f"resumed from step {self.step}{resized} ({path})")
 

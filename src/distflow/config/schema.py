@@ -111,6 +111,7 @@ def _across_sections(cfg: DistflowConfig) -> list[tuple[bool, str]]:
         (cfg.pipeline.max_concurrency is None or cfg.pipeline.max_concurrency >= a.group_size,
          f"pipeline.max_concurrency={cfg.pipeline.max_concurrency} is below algorithm.group_size={a.group_size}: "
          "a group's samples run together"),
+        *_split_rules(cfg),
         (not a.needs_teacher or bool(cfg.teacher.path),
          "algorithm.advantage=distill learns from a teacher: set teacher.path to its model folder"),
         (a.needs_teacher or not cfg.teacher.path,
@@ -123,6 +124,21 @@ def _across_sections(cfg: DistflowConfig) -> list[tuple[bool, str]]:
          "validation needs a held-out split: set task.heldout_size" if cfg.task.name == "reasoning_gym"
          else "validation needs a held-out split: set task.heldout_path"),
     ]
+
+
+def _split_rules(cfg: DistflowConfig) -> list[tuple[bool, str]]:
+    """What role-split ranks (pipeline.mode=split) do not run yet: each stops at start-up with its line."""
+    if cfg.pipeline.mode != "split":
+        return []
+    unsupported = [
+        (cfg.task.env or cfg.task.agent, "multi-turn episodes (task.env, task.agent)"),
+        (cfg.validation.wanted, "held-out validation (validation.*)"),
+        (cfg.task.has_reward_models, "reward models and judges (task.reward_models, task.judges)"),
+        (cfg.model.lora.enabled and cfg.model.lora.resync == "adapter", "model.lora.resync=adapter"),
+        (cfg.rollout.tensor_parallel_size > 1, "rollout.tensor_parallel_size > 1"),
+    ]
+    return [(not bool(used), f"pipeline.mode=split does not run {what} yet: use pipeline.mode=sync or carryover")
+            for used, what in unsupported]
 
 
 def config_record(cfg: DistflowConfig, auto: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -73,9 +73,10 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
     teacher = (upd.distill or distill.no_sums()) if a.needs_teacher else []
     sums.update({f"distill/v{k}": v for k, v in enumerate(teacher) if k != distill.MAX})
     sums.update(rec.model_sums)  # every rank runs every reward model and judge: the same keys
-    carryover = cfg.pipeline.mode == "carryover"
-    ages = token_ages(step, samples) if carryover else []
-    if carryover:
+    stale = cfg.pipeline.mode != "sync"  # carry-over and split runs train tokens of older versions
+    carryover = cfg.pipeline.mode == "carryover"  # (and carry-over cuts groups: its partial/* counts)
+    ages = token_ages(step, samples) if stale else []
+    if stale:
         sums.update(carryover_sums(ages, stats.pipeline))
     timing = with_compute(timing)
     maxima = {f"timing/{k}_s": v for k, v in timing.items()}
@@ -85,7 +86,7 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
                    **{f"rollout_corr/v{k}": s.correction.values[k] for k in MAXIMA},
                    **({f"distill/v{distill.MAX}": teacher[distill.MAX]} if teacher else {}),
                    **gpu_memory()})
-    if carryover:
+    if stale:
         maxima.update({"staleness/max": float(max(ages, default=0)),
                        "timing/reprefill_s": stats.pipeline.get("reprefill_s", 0.0)})
     g = reduce_step_metrics(sums, maxima, {f"timing/{k}_min_s": v for k, v in timing.items()})
@@ -149,10 +150,10 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
         out.update({**{f"agent/{k}": g[k] for k in AGENT_COUNTS}, "agent/requests_mean": g["requests"] / n})
     if cfg.run.balance_lengths:
         out.update({f"balance/{k}": v for k, v in stats.balance.items()})
-    if carryover:  # token-weighted over the trained groups' generated tokens, as verl's staleness keys
+    if stale:  # token-weighted over the trained groups' generated tokens, as verl's staleness keys
         out.update({"staleness/mean": g["staleness_sum"] / max(g["staleness_tokens"], 1.0),
                     "staleness/max": g["staleness/max"],
-                    **{f"partial/{k}": g[f"partial/{k}"] for k in PARTIAL_KEYS}})
+                    **({f"partial/{k}": g[f"partial/{k}"] for k in PARTIAL_KEYS} if carryover else {})})
     if a.dynamic_sampling:
         out["dynamic_sampling/kept_groups"] = g["kept_groups"]
         out["dynamic_sampling/generated_groups"] = g["generated_groups"]

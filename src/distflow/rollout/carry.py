@@ -9,11 +9,10 @@ trained twice or lost.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from distflow.rollout.schedule import deal
-from distflow.sample import EpisodeInfo, Sample
+from distflow.sample import Sample, sample_from_data, sample_to_data
 
 
 @dataclass
@@ -33,33 +32,17 @@ class CarriedGroup:
 
     def to_data(self) -> dict:
         return {"position": self.position, "admitted": self.admitted, "cuts": self.cuts,
-                "samples": [_sample_data(s) for s in self.samples], "open": self.open, "turn": self.turn}
+                "samples": [sample_to_data(s) for s in self.samples], "open": self.open, "turn": self.turn}
 
     @staticmethod
     def from_data(d: dict) -> "CarriedGroup":
         try:
             opened = d.get("open")
             return CarriedGroup(int(d["position"]), int(d["admitted"]), int(d["cuts"]),
-                                [_sample_from(s) for s in d["samples"]],
+                                [sample_from_data(s) for s in d["samples"]],
                                 None if opened is None else [bool(o) for o in opened], int(d.get("turn", 0)))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"a carried group is malformed ({type(e).__name__}: {e})") from None
-
-
-def _sample_data(s: Sample) -> dict:
-    return {"prompt_ids": s.prompt_ids, "response_ids": s.response_ids, "logprobs": s.logprobs,
-            "truncated": s.truncated, "versions": s.versions, "mask": s.mask,
-            "episode": None if s.episode is None else dataclasses.asdict(s.episode)}
-
-
-def _sample_from(d: dict) -> Sample:
-    ids, lps, versions = list(map(int, d["response_ids"])), list(map(float, d["logprobs"])), d["versions"]
-    versions = None if versions is None else list(map(int, versions))
-    mask = None if d.get("mask") is None else list(map(int, d["mask"]))
-    if len(lps) != len(ids) or any(x is not None and len(x) != len(ids) for x in (versions, mask)):
-        raise ValueError("a carried sample's tokens, logprobs, versions and mask differ in length")
-    episode = None if d.get("episode") is None else EpisodeInfo(**d["episode"])
-    return Sample(list(map(int, d["prompt_ids"])), ids, lps, bool(d["truncated"]), mask, episode, versions)
 
 
 class CarryBuffer:

@@ -39,11 +39,14 @@ log = logging.getLogger("distflow")
 
 
 class Rollout:
-    def __init__(self, cfg: DistflowConfig, dist: DistInfo, task, tokenizer, model_path: str, engine_group, timer):
+    def __init__(self, cfg: DistflowConfig, dist: DistInfo, task, tokenizer, model_path: str, engine_group, timer,
+                 per_rank: int | None = None):
         """`task`: the run's Task (rows, workers, environment); `engine_group`: this rank's tensor-parallel
-        group (ParallelLayout.engine_group); `timer`: the step's PhaseTimer. Builds the engine: every
-        rank together (vLLM runs a collective)."""
+        group (ParallelLayout.engine_group); `timer`: the step's PhaseTimer; `per_rank`: groups per rank
+        and round (default data.prompts_per_rank; a split run's rollout ranks share the trainers'). Builds
+        the engine: every rank together (vLLM runs a collective)."""
         self.cfg, self.dist, self.task, self.tokenizer, self.timer = cfg, dist, task, tokenizer, timer
+        self.per_rank = cfg.data.prompts_per_rank if per_rank is None else per_rank
         r = cfg.run
         self.items = task.rows("train")
         self.heldout = task.rows("heldout") if cfg.validation.wanted else []
@@ -69,10 +72,19 @@ class Rollout:
                 if self.task.multi_turn else CarryoverDriver(self.engine, cfg, self.carry)
 
     # ----------------------------------------------------------------- generation
+    def rank_state(self) -> dict:
+        """What a checkpoint keeps of this rank's rollout side: the data cursor, and the carried groups."""
+        return {"sampler": self.sampler, **({"carry": self.carry} if self.cfg.pipeline.mode == "carryover" else {})}
+
     def collect(self, step: int) -> tuple[Rollouts, Future]:
         """Generate this step's groups, balance them across ranks, and start scoring; returns the
         rollouts and the pending rewards ([groups, G])."""
-        a, per_rank, phase = self.cfg.algorithm, self.cfg.data.prompts_per_rank, self.timer.phase
+        return self.hand_over(self.gather(step))
+
+    def gather(self, step: int) -> Rollouts:
+        """This step's groups on this rank: its rounds of generation (with dynamic sampling, until the
+        ranks together kept their quota or the round limit is hit)."""
+        a, per_rank, phase = self.cfg.algorithm, self.per_rank, self.timer.phase
         kept = Rollouts(a.group_size)
         for r in range(a.max_sampling_rounds if a.dynamic_sampling else 1):
             with phase("generate"):
@@ -90,6 +102,12 @@ class Rollout:
         kept.stats.pipeline = self.source.end_step(step)  # carry-over: cut what still runs; the engine is empty
         if a.dynamic_sampling and kept.rewards is None:
             kept.rewards = torch.zeros((0, a.group_size))
+        return kept
+
+    def hand_over(self, kept: Rollouts) -> tuple[Rollouts, Future]:
+        """Balance the groups across the ranks (a collective) and start scoring those not scored yet;
+        returns them and the pending rewards ([groups, G])."""
+        phase = self.timer.phase
         if self.cfg.run.balance_lengths:  # the update waits for the rank with the most tokens
             with phase("balance"):
                 moved, kept.stats.balance = balance_groups(kept.groups(), kept.token_costs(), self.dist.device)

@@ -1,0 +1,147 @@
+"""A trainer's rollout in a split run: the step's groups arrive from the rollout ranks.
+
+It stands where a sync run's `Rollout` stands in the trainer's loop (collect, load_weights, sleep,
+rank_state), so the loop is the same: `collect(s)` receives the groups targeted at step s from every
+rollout rank (one message each, possibly empty), orders them by stream position and hands them to
+the local Rollout's `hand_over` (balance over the trainers, then scoring); `load_weights` publishes
+the version to this trainer's rollout set. Trainer t trains the positions a sync run on T ranks
+gives rank t (Roles.trainer_of), so at eta = 0 its batch is that run's rank t's, bit for bit.
+
+Groups already generated for later steps are data a checkpoint keeps: `state_dict` receives the
+targets the checkpoint's step leaves in flight (distflow.pipeline.schedule.held_targets) and writes
+them with each rollout rank's data cursor; a resume hands the cursors back with the first version.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import torch
+
+from distflow.config import DistflowConfig
+from distflow.distributed.roles import RoleGroups
+from distflow.errors import RunAborted
+from distflow.pipeline.links import Links
+from distflow.pipeline.schedule import held_targets, weights_needed
+from distflow.pipeline.weights import WeightPublisher
+from distflow.rollout import Rollout
+from distflow.rollout.groups import RolloutStats, Rollouts
+from distflow.sample import sample_from_data, sample_to_data
+
+
+def received(message: dict) -> dict:
+    """A message from the other role, or the RunAborted it forwards (a peer stopped on an error)."""
+    if message.get("kind") == "abort":
+        raise RunAborted(message["line"])
+    return message
+
+
+class RemoteRollout:
+    def __init__(self, cfg: DistflowConfig, local: Rollout, groups: RoleGroups):
+        """`local`: this trainer's own Rollout (its engine stays asleep; its task scores, its balance
+        runs over the trainers); `groups`: the split's process groups."""
+        roles, self.rank = groups.roles, groups.rank
+        self.local, self.cfg = local, cfg
+        self.eta, self.steps, self.group_size = cfg.pipeline.max_staleness, cfg.run.steps, cfg.algorithm.group_size
+        self.links = Links(groups.link_group, self.rank, cfg.run.collective_timeout_s)
+        self.rollout_set = roles.rollout_set(self.rank)
+        self.publisher = WeightPublisher(self.links, self.rank, self.rollout_set,
+                                         groups.weight_groups.get(self.rank), cfg.run.collective_timeout_s)
+        self.sources = list(range(roles.trainers, roles.world_size))  # every rollout rank, one message per step
+        self.inbox: dict[int, list[dict]] = {}  # target -> the messages of a step received before it
+        self.cursors: dict[int, dict] = {}  # rollout rank of this trainer's set -> its sampler after its last send
+        self.resumed = False  # the first version after a resume carries the cursors back
+        self.step = 0
+        self.signalled = False  # a rollout rank got SIGTERM/SIGUSR1: the run saves and stops at this step's end
+        self.recv_bytes = 0
+        local.sleep()  # the rollout ranks generate: this engine only keeps vLLM's start-up symmetric
+
+    @property
+    def items(self) -> list:
+        return self.local.items
+
+    def rank_state(self) -> dict:
+        return {"pipeline": self}
+
+    # ----------------------------------------------------------------- groups in
+    def collect(self, step: int) -> tuple[Rollouts, Future]:
+        self.step = step
+        messages = self.inbox.pop(step) if step in self.inbox else self._receive(step)
+        return self.local.hand_over(self._merge(messages))
+
+    def _receive(self, target: int) -> list[dict]:
+        messages = []
+        for src in self.sources:
+            m = received(self.links.recv(src, f"the groups of step {target}"))
+            if m["target"] != target:
+                raise RunAborted(f"rank {src} sent the groups of step {m['target']} where step {target}'s were due")
+            if src in self.rollout_set:
+                self.cursors[src] = m["cursor"]
+            self.signalled |= m["signal"]
+            messages.append(m)
+        return messages
+
+    def _merge(self, messages: list[dict]) -> Rollouts:
+        """The step's groups in stream order, with the rollout stats of this trainer's rollout set."""
+        groups = sorted((g for m in messages for g in m["groups"]), key=lambda g: g[0])
+        items = self.local.items
+        kept = Rollouts(self.group_size, [items[self.local.sampler.item(p)] for p, _, _ in groups],
+                        [s for _, samples, _ in groups for s in samples])
+        if self.cfg.algorithm.dynamic_sampling:  # scored where they were kept
+            kept.rewards = torch.tensor([r for _, _, r in groups], dtype=torch.float32).reshape(-1, self.group_size)
+        stats = RolloutStats(rounds=max((m["rounds"] for m in messages), default=0))
+        for m in messages:
+            if m["stats"] is not None:
+                stats.generated_groups += m["stats"]["generated_groups"]
+                stats.add_failures(m["stats"]["reward_failures"])
+        kept.stats = stats
+        return kept
+
+    # ----------------------------------------------------------------- weights and control out
+    def load_weights(self, weights, version: int) -> None:
+        """Publish `version` to this trainer's rollout set (its tensors only where a target needs them)."""
+        notes = {}
+        if self.resumed:  # where each rollout rank goes on: its cursor, and the first target no checkpoint holds
+            nxt = max(self.inbox, default=version) + 1
+            notes = {dst: {"cursor": self.cursors[dst], "next": nxt} for dst in self.rollout_set}
+            self.resumed = False
+        self.publisher.publish(weights if weights_needed(version, self.eta, self.steps) else None, version, notes)
+
+    def control(self, step: int, halt: bool) -> None:
+        """After the step boundary: whether the run stops here (a signal: saved, stopping)."""
+        for dst in self.rollout_set:
+            self.links.send(dst, {"kind": "control", "step": step, "halt": halt})
+
+    def abort(self, line: str) -> None:
+        """Forward this trainer's RunAborted to its rollout set, so they stop with its line."""
+        for dst in self.rollout_set:
+            self.links.send(dst, {"kind": "abort", "line": line})
+        self.links.flush(timeout_s=5.0)  # the line reaches them before this rank goes
+
+    def evaluate(self, tag: str = "eval") -> dict[str, float]:
+        raise NotImplementedError("held-out validation in a split run (the config refuses it)")
+
+    def sleep(self) -> None:
+        """Nothing: the engine that generates is on the rollout ranks."""
+
+    def close(self) -> None:
+        self.links.flush()
+        self.local.close()
+
+    # ----------------------------------------------------------------- checkpoint state
+    def state_dict(self) -> dict:
+        """The targets the checkpoint's step leaves in flight (received now: they were generated with
+        versions already published), as data, and the cursors of this trainer's rollout set."""
+        for target in held_targets(self.step, self.eta, self.steps):
+            if target not in self.inbox:
+                self.inbox[target] = self._receive(target)
+        inbox = {str(t): [{**m, "groups": [[p, [sample_to_data(s) for s in samples], r] for p, samples, r in m["groups"]]}
+                          for m in messages] for t, messages in self.inbox.items()}
+        return {"inbox": inbox, "cursors": {str(k): v for k, v in self.cursors.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inbox = {int(t): [{**m, "groups": [(p, [sample_from_data(s) for s in samples], r)
+                                                for p, samples, r in m["groups"]]} for m in messages]
+                      for t, messages in state["inbox"].items()}
+        self.cursors = {int(k): v for k, v in state["cursors"].items()}
+        self.resumed = True

@@ -1,0 +1,140 @@
+"""The loop a rollout rank of a split run runs: generate each step's groups with the version the
+staged schedule names, and send every trainer its share.
+
+Targets go in order. Before generating target s the rank applies versions, one announce at a time,
+until its engine holds s - 1 - eta (distflow.pipeline.schedule.engine_version); each version is
+followed by its trainer's control message for that step (stop there: a signal, saved). So with
+eta >= 1 the rank generates step s + eta while the trainers train step s, and with eta = 0 the two
+roles take turns exactly as a sync run's phases do. The groups of a target go to the trainer that a
+sync run on the trainers' count of ranks would have drawn them on (Roles.trainer_of), one message
+per trainer, with this rank's data cursor for its publisher (checkpoint state on the trainers).
+
+This rank holds no checkpoint state of its own: what it generated and sent is the trainers' to keep,
+and a resume's first version carries its cursor and first target back.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from distflow.distributed import shutdown
+from distflow.distributed.roles import RoleGroups
+from distflow.errors import RunAborted
+from distflow.metrics.timer import PhaseTimer
+from distflow.pipeline.links import Links
+from distflow.pipeline.remote import received
+from distflow.pipeline.schedule import engine_version
+from distflow.pipeline.weights import WeightReceiver
+from distflow.rollout import Rollout
+from distflow.rollout.groups import Rollouts
+from distflow.run.preemption import Stopped, StopSignal
+from distflow.startup import Run
+from distflow.tasks import Task
+
+log = logging.getLogger("distflow")
+
+
+class RolloutRank:
+    def __init__(self, run: Run, stop_signal: StopSignal, groups: RoleGroups, observers: list | None = None):
+        self.run, self.cfg, self.stop_signal, self.rank = run, run.cfg, stop_signal, groups.rank
+        cfg, roles = run.cfg, groups.roles
+        self.dist = groups.role_dist(run.dist)  # rank j of the R rollout ranks: its sampler and seeds
+        self.timer = PhaseTimer(run.dist.device, cfg.logging.sync_timing, observers or [])
+        self.trainers, self.roles = list(range(roles.trainers)), roles
+        self.publisher = roles.publisher(self.rank)
+        with self.timer.phase("startup"):
+            self.task = Task.from_config(cfg.task, run.tokenizer, cfg.rollout.max_prompt_tokens)
+            log.info(f"rollout rank {self.dist.rank} of {self.dist.world_size}: loading {cfg.model.path} into the "
+                     f"{cfg.rollout.engine} engine; weights from trainer {self.publisher}")
+            per_rank = cfg.data.prompts_per_rank * roles.trainers // roles.rollout_ranks
+            self.rollout = Rollout(cfg, self.dist, self.task, run.tokenizer, run.plan.model_path, None, self.timer,
+                                   per_rank)
+        timeout = cfg.run.collective_timeout_s
+        self.links = Links(groups.link_group, self.rank, timeout)
+        self.receiver = WeightReceiver(self.links, self.publisher, groups.weight_groups[self.publisher],
+                                       run.dist.device, timeout)
+        self.version, self.target = 0, 1
+        self.stopped: Stopped | None = None
+
+    # ----------------------------------------------------------------- the loop
+    def train(self) -> None:
+        """Generate every target of the run (named as the trainer's, so the recipe runs either)."""
+        eta, steps = self.cfg.pipeline.max_staleness, self.cfg.run.steps
+        try:
+            if self.run.resume.checkpoint is not None:
+                self.resume()
+            while self.target <= steps:
+                while self.version < engine_version(self.target, eta):
+                    if not self.advance():
+                        return
+                self.timer.new_step(self.target)
+                first = self.rollout.sampler.state_dict()["offset"]  # the step's first stream position
+                self.send(self.target, self.rollout.gather(self.target), first)
+                self.target += 1
+            while self.version < steps:  # the trainers' last versions and their controls
+                if not self.advance():
+                    return
+        except RunAborted:
+            raise
+        except Exception as e:  # the trainers stop with this rank's line instead of waiting out the deadline
+            line = f"rank {self.rank} raised {type(e).__name__}: {' '.join(str(e).split())}; " \
+                   f"stopped generating step {self.target}"
+            for t in self.trainers:
+                self.links.send(t, {"kind": "abort", "line": line})
+            raise
+
+    def resume(self) -> None:
+        """The version the trainers resumed with, this rank's data cursor and its first target."""
+        first = received(self.receiver.announce())
+        self.apply(first)
+        self.rollout.sampler.load_state_dict(first["cursor"])
+        self.target = first["next"]
+        log.info(f"resumed at version {self.version}: generating from step {self.target}")
+
+    def advance(self) -> bool:
+        """The next version and its step's control message; False when the run stops there (a control
+        may also come alone: the trainers stopped before their first step)."""
+        while (message := received(self.receiver.announce()))["kind"] == "weights":
+            self.apply(message)
+        control = message
+        if control["halt"]:
+            self.stopped = Stopped(control["step"], None, self.stop_signal.name or "a signal to another rank")
+            log.warning(f"{self.stopped.signal}: the trainers stopped after step {control['step']}; "
+                        "relaunch with the same run.output_dir to resume")
+            return False
+        return True
+
+    def apply(self, announce: dict) -> None:
+        if announce["bucket"] is not None:
+            with self.timer.phase("receive"):
+                self.rollout.load_weights(self.receiver.tensors(announce), announce["version"])
+        self.version = announce["version"]
+
+    def send(self, target: int, kept: Rollouts, first: int) -> None:
+        """Each trainer its groups of `target` (whose stream positions start at `first`); its publisher
+        also this rank's counts and data cursor."""
+        g = self.cfg.algorithm.group_size
+        shares: dict[int, list] = {t: [] for t in self.trainers}
+        for i in range(len(kept.items)):
+            samples = kept.samples[i * g:(i + 1) * g]
+            rewards = kept.rewards[i].tolist() if kept.rewards is not None else None
+            shares[self.roles.trainer_of(samples[0].position, first)].append((samples[0].position, samples, rewards))
+        stats = {"generated_groups": kept.stats.generated_groups, "reward_failures": kept.stats.reward_failures}
+        signal = self.stop_signal.name is not None
+        for t in self.trainers:
+            mine = t == self.publisher
+            self.links.send(t, {"kind": "groups", "target": target, "groups": shares[t], "rounds": kept.stats.rounds,
+                                "stats": stats if mine else None,
+                                "cursor": self.rollout.sampler.state_dict() if mine else None, "signal": signal})
+
+    def close(self) -> None:
+        self.stop_signal.uninstall()
+        if hasattr(self, "links"):
+            self.links.flush()
+        if hasattr(self, "rollout"):
+            self.rollout.close()
+        if hasattr(self, "task"):
+            self.task.close()
+        if self.run.dist.owns_group:
+            shutdown()
+        self.run.run_dir.unlock()

@@ -1,0 +1,116 @@
+"""Versioned weights from a trainer to its rollout set: `WeightPublisher` and `WeightReceiver`.
+
+Every trainer gathers the full policy (FSDP's gather is collective over the trainers) and broadcasts
+it to its own rollout set over their weight group (distflow.distributed.roles): each rollout rank
+receives its bytes once, from one trainer, so a trainer sends |rollout set| x the model per version
+whatever the world size. Tensors travel in buckets of one dtype, flattened; before each bucket an
+announce message (distflow.pipeline.links) names the version and the bucket's tensors, so the
+receiver allocates, joins the broadcast and hands the engine (name, tensor) pairs as they arrive.
+The broadcasts are polled against the run's deadline like every wait between the roles.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from distflow.distributed import waiting
+from distflow.pipeline.links import Links, PeerSilent
+
+POLL_S = 0.002
+
+BUCKET_BYTES = 64 << 20  # one broadcast per this many bytes (or per dtype change)
+
+
+def _buckets(weights: Iterable[tuple[str, torch.Tensor]], limit: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    bucket, size = [], 0
+    for name, t in weights:
+        if bucket and (t.dtype != bucket[0][1].dtype or size + t.numel() * t.element_size() > limit):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += t.numel() * t.element_size()
+    if bucket:
+        yield bucket
+
+
+def _broadcast(flat: torch.Tensor, src: int, group, timeout_s: float, what: str) -> None:
+    work = dist.broadcast(flat, src=src, group=group, async_op=True)
+    deadline = time.monotonic() + timeout_s
+    with waiting():
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise PeerSilent(f"the broadcast of {what} did not complete within {timeout_s:g} s "
+                                 "(run.collective_timeout_s): a rank of its weight group died or hung; stopping")
+            time.sleep(POLL_S)
+    work.wait()
+
+
+class WeightPublisher:
+    """A trainer's side: announce a version to its rollout set, then broadcast its tensors."""
+
+    def __init__(self, links: Links, rank: int, rollout_set: list[int], group, timeout_s: float,
+                 bucket_bytes: int = BUCKET_BYTES):
+        self.links, self.rank, self.rollout_set, self.group = links, rank, rollout_set, group
+        self.timeout_s, self.bucket_bytes = timeout_s, bucket_bytes
+        self.sent_bytes = 0  # weight bytes this trainer broadcast so far
+
+    def publish(self, weights: Iterable[tuple[str, torch.Tensor]] | None, version: int,
+                notes: dict[int, dict] | None = None) -> None:
+        """Version `version` to the rollout set: `weights` (None: the version without weights, when no
+        engine will generate with it); `notes[rank]`: more fields for that rank's announces."""
+        def announce(dst: int, **fields) -> None:
+            self.links.send(dst, {"kind": "weights", "version": version, **(notes or {}).get(dst, {}), **fields})
+
+        if weights is None:
+            for dst in self.rollout_set:
+                announce(dst, bucket=None, last=True)
+            return
+        pending = None  # one bucket of lookahead: the last one is announced as such
+        for bucket in _buckets(weights, self.bucket_bytes):
+            if pending is not None:
+                self._send(pending, version, announce, last=False)
+            pending = bucket
+        if pending is not None:
+            self._send(pending, version, announce, last=True)
+
+    def _send(self, bucket, version: int, announce, last: bool) -> None:
+        layout = [(name, tuple(t.shape), t.dtype) for name, t in bucket]
+        for dst in self.rollout_set:
+            announce(dst, bucket=layout, last=last)
+        if not self.rollout_set:
+            return
+        flat = torch.cat([t.detach().reshape(-1) for _, t in bucket])
+        _broadcast(flat, self.rank, self.group, self.timeout_s, f"version {version}'s weights")
+        self.sent_bytes += flat.numel() * flat.element_size()
+
+
+class WeightReceiver:
+    """A rollout rank's side: the announces and buckets of one version, as (name, tensor) pairs."""
+
+    def __init__(self, links: Links, publisher: int, group, device: torch.device, timeout_s: float):
+        self.links, self.publisher, self.group, self.device = links, publisher, group, device
+        self.timeout_s = timeout_s
+
+    def announce(self) -> dict:
+        """The next message from the publisher (a version's first announce, or a control message)."""
+        return self.links.recv(self.publisher, "the next announce of its trainer")
+
+    def tensors(self, first: dict) -> Iterator[tuple[str, torch.Tensor]]:
+        """The version `first` announced: its buckets in order, each tensor as it is unflattened."""
+        message = first
+        while True:
+            if message["bucket"] is None:
+                return
+            layout = message["bucket"]
+            numels = [int(torch.Size(shape).numel()) for _, shape, _ in layout]
+            flat = torch.empty(sum(numels), dtype=layout[0][2], device=self.device)
+            _broadcast(flat, self.publisher, self.group, self.timeout_s, f"version {message['version']}'s weights")
+            for (name, shape, _), part in zip(layout, flat.split(numels)):
+                yield name, part.view(shape)
+            if message["last"]:
+                return
+            message = self.announce()
