@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 
-from distflow.distributed import shutdown
+from distflow.distributed import enter_scope, shutdown
 from distflow.distributed.roles import RoleGroups
 from distflow.errors import RunAborted
 from distflow.metrics.timer import PhaseTimer
@@ -137,4 +137,5 @@ class RolloutRank:
             self.task.close()
         if self.run.dist.owns_group:
             shutdown()
+        enter_scope(None)  # this process's next run (tests, notebooks) starts on the whole world again
         self.run.run_dir.unlock()

@@ -8,6 +8,7 @@ on; a RunAborted on a trainer reaches its rollout set as that line.
 
 from __future__ import annotations
 
+from distflow.distributed import enter_scope
 from distflow.distributed.roles import RoleGroups
 from distflow.errors import RunAborted
 from distflow.pipeline.remote import RemoteRollout
@@ -48,6 +49,10 @@ class SplitTrainer(Trainer):
         if stopping := super().stop_at_start():
             self.rollout.control(self.step, halt=True)
         return stopping
+
+    def close(self) -> None:
+        super().close()
+        enter_scope(None)  # this process's next run (tests, notebooks) starts on the whole world again
 
     def end_step(self) -> bool:
         """The step boundary (a rollout rank's signal counts as this rank's), then the rollout set's control."""

@@ -1,0 +1,154 @@
+"""Role-split runs (pipeline.mode=split) end to end, in-process on 4 real gloo ranks (2 train, 2
+generate; tiny model, the hf engine), against sync runs on 2 ranks:
+
+- eta = 0 is the sync run on the trainers' count of ranks bit for bit (every metric, the final
+  weights), also with DAPO's dynamic sampling on the rollout ranks;
+- the staged schedule: at eta = 1 and 2 every trained token is exactly eta versions older than the
+  sync run's, and a run stopped by a signal to a rollout rank with groups generated for later steps,
+  then resumed, equals one run straight through (so two runs of a config are identical);
+- a rollout rank that raises stops every rank with its line; layouts a split cannot run stop every
+  rank before any weights load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from config_helpers import compose
+from dist_helpers import gathered, run_distributed
+from launch_helpers import stable_metrics
+
+pytestmark = pytest.mark.slow
+
+BASE = ["experiment=smoke", "model.dtype=float32", "rollout=hf", "logging.plot_at_end=false",
+        "task.reward=rewards_for_tests:digit_fraction", "rollout_correction=token_tis", "checkpoint.export_at_end=true"]
+SPLIT = ["pipeline.mode=split", "pipeline.rollout_ranks=2"]
+ETA2 = [*SPLIT, "pipeline.max_staleness=2", "run.steps=6"]
+REFERENCE = [("sync_ref", "sync_ref", ["run.steps=4"], None), ("dapo_ref", "dapo_ref", ["algorithm=dapo", "run.steps=2"], None)]
+CASES = [  # (name, folder, overrides, fault: (rank, step, what) in a rank's generation)
+    ("split_eta0", "split_eta0", [*SPLIT, "run.steps=4"], None),
+    ("dapo_eta0", "dapo_eta0", [*SPLIT, "algorithm=dapo", "run.steps=2"], None),
+    ("dapo_eta1", "dapo_eta1", [*SPLIT, "algorithm=dapo", "run.steps=3", "pipeline.max_staleness=1"], None),
+    ("eta2_straight", "eta2_straight", ETA2, None),
+    ("eta2_first_half", "eta2_cut", ETA2, (3, 3, "signal")),  # seen where step 3 trains: stops after it
+    ("eta2_continued", "eta2_cut", [*ETA2, "checkpoint.resume=force"], None),
+    ("rollout_raises", "rollout_raises", [*SPLIT, "run.steps=3"], (2, 2, "raise")),
+    ("too_many_rollout_ranks", "refused", ["pipeline.mode=split", "pipeline.rollout_ranks=4"], None),
+    ("uneven_prompts", "refused", ["pipeline.mode=split", "pipeline.rollout_ranks=3"], None),
+]
+
+
+class FaultInGeneration:
+    """A signal to this rank, or an error, once it has generated step `step`'s groups."""
+
+    def __init__(self, step: int, what: str):
+        self.step, self.what = step, what
+
+    def on_phase_end(self, phase: str, step: int, seconds: float) -> None:
+        if phase != "generate" or step != self.step:
+            return
+        if self.what == "raise":
+            raise RuntimeError(f"injected while generating step {step}")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _run_one(rank: int, overrides: list[str], out: Path, fault) -> dict:
+    from distflow.config import ConfigError
+    from distflow.errors import RunAborted
+    from distflow.job import build_job
+
+    observers = [FaultInGeneration(fault[1], fault[2])] if fault and fault[0] == rank else []
+    try:
+        job = build_job(compose([*BASE, *overrides, f"run.output_dir={out}"]), observers)
+    except ConfigError as e:
+        return {"outcome": "refused", "message": str(e)}
+    try:
+        job.train()
+        result = {"outcome": "stopped" if job.stopped else "trained"}
+    except (RunAborted, RuntimeError) as e:
+        result = {"outcome": "aborted", "message": str(e)}
+    finally:
+        job.close()
+    return result
+
+
+def _worker(rank, world, tmp, cases):
+    results = {}
+    for name, folder, overrides, fault in cases:
+        out = Path(tmp) / folder
+        result = _run_one(rank, overrides, out, fault)
+        result["ranks"] = gathered(result)
+        if rank == 0:
+            metrics = out / "metrics.jsonl"
+            result["rows"] = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+            model = out / "hf_model" / "model.safetensors"
+            result["weights"] = model.read_bytes() if model.is_file() else None
+            result["held"] = sorted(p.name for p in (out / "checkpoints").glob("step_*/rank_*.json"))
+            saved = out / "checkpoints" / "step_000003" / "rank_0.json"
+            result["inbox"] = sorted(json.loads(saved.read_text())["pipeline"]["inbox"]) if saved.is_file() else []
+        results[name] = result
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model_dir):
+    tmp = tmp_path_factory.mktemp("split")
+    return {**run_distributed(_worker, 2, str(tmp), REFERENCE, timeout=600),
+            **run_distributed(_worker, 4, str(tmp), CASES, timeout=900)}
+
+
+def _rows(runs, name, steps):
+    r = runs[name]
+    assert all(x["outcome"] in ("trained", "stopped") for x in r["ranks"]), (name, r["ranks"])
+    assert [row["step"] for row in r["rows"]] == list(range(1, steps + 1)), (name, r["rows"])
+    return r["rows"]
+
+
+def _same(sync_rows, split_rows, keys=("staleness/mean", "staleness/max")):
+    """Every metric equal but the wall-clock ones, `keys`, and the engine probe (not taken in a split run)."""
+    keys = {*keys, "sync/max_abs_logprob_diff"}
+    return [{k: v for k, v in stable_metrics(r).items() if k not in keys} for r in sync_rows] == \
+        [{k: v for k, v in stable_metrics(r).items() if k not in keys} for r in split_rows]
+
+
+def test_eta_0_is_the_sync_run_on_the_trainers_count_bit_for_bit(runs):
+    assert _same(_rows(runs, "sync_ref", 4), _rows(runs, "split_eta0", 4))
+    assert runs["sync_ref"]["weights"] == runs["split_eta0"]["weights"] is not None
+    assert _same(_rows(runs, "dapo_ref", 2), _rows(runs, "dapo_eta0", 2))  # dynamic sampling on the rollout ranks
+    assert all(r["staleness/max"] == 0 for r in runs["split_eta0"]["rows"])
+
+
+@pytest.mark.parametrize("name,eta,steps", [("dapo_eta1", 1, 3), ("eta2_straight", 2, 6)])
+def test_every_token_is_exactly_eta_versions_older_than_the_sync_runs(runs, name, eta, steps):
+    for row in _rows(runs, name, steps):  # step s trains version max(0, s - 1 - eta): its staleness
+        lag = min(row["step"] - 1, eta)
+        assert row["staleness/mean"] == row["staleness/max"] == lag, row
+        assert row[f"rollout_corr/lag{lag}/tokens"] > 0 and row["grad_norm"] > 0, row
+
+
+def test_a_run_stopped_with_groups_in_flight_resumes_bit_for_bit(runs):
+    straight = _rows(runs, "eta2_straight", 6)
+    assert [r["outcome"] for r in runs["eta2_first_half"]["ranks"]] == ["stopped"] * 4
+    assert runs["eta2_first_half"]["inbox"] == ["4", "5"]  # generated for steps 4 and 5, kept as data
+    assert _same(straight, _rows(runs, "eta2_continued", 6), keys=set())
+    assert runs["eta2_straight"]["weights"] == runs["eta2_continued"]["weights"] is not None
+
+
+def test_a_rollout_rank_that_raises_stops_every_rank_with_its_line(runs):
+    line = "rank 2 raised RuntimeError: injected while generating step 2; stopped generating step 2"
+    assert [r["outcome"] for r in runs["rollout_raises"]["ranks"]] == ["aborted"] * 4
+    assert all(r["message"] == line for i, r in enumerate(runs["rollout_raises"]["ranks"]) if i != 2)
+
+
+@pytest.mark.parametrize("name,line", [
+    ("too_many_rollout_ranks", "pipeline.rollout_ranks=4 leaves no rank to train: it must be below the world size 4"),
+    ("uneven_prompts", "pipeline.rollout_ranks=3 does not divide the 2 prompts of a step (data.prompts_per_rank x 1 "
+                       "trainer ranks)"),
+])
+def test_every_rank_refuses_a_split_it_cannot_run(runs, name, line):
+    assert runs[name]["ranks"] == [{"outcome": "refused", "message": line}] * 4
