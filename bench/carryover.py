@@ -24,7 +24,6 @@ rank generates per step.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
@@ -166,12 +165,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        ap = argparse.ArgumentParser()
-        ap.add_argument("--worker", action="store_true")
-        ap.add_argument("--overrides", required=True)
-        ap.add_argument("--out", required=True)
-        for flag in ("--steps", "--repeats", "--max-new-tokens", "--seed"):
-            ap.add_argument(flag, type=int, required=True)
-        worker(ap.parse_args())
+        import common as C
+
+        worker(C.worker_args(("--steps", "--repeats", "--max-new-tokens", "--seed")))
     else:
         main()

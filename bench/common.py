@@ -42,6 +42,18 @@ def run_grpo_recipe() -> None:
     runpy.run_path(str(recipe), run_name="__main__")
 
 
+def worker_args(ints: tuple[str, ...] = (), strings: tuple[str, ...] = ()) -> argparse.Namespace:
+    """The arguments a benchmark passes the worker it launches (its own script with --worker):
+    --overrides and --out, and the named int and str flags, all required."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worker", action="store_true")
+    for flag in ("--overrides", "--out", *strings):
+        ap.add_argument(flag, required=True)
+    for flag in ints:
+        ap.add_argument(flag, type=int, required=True)
+    return ap.parse_args()
+
+
 def parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--smoke", action="store_true", help="tiny, fast configuration (used by the tests)")

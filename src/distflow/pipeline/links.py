@@ -62,9 +62,8 @@ class Links:
             try:
                 work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
             except RuntimeError as e:
-                raise PeerSilent(f"rank {src} sent nothing for {self.timeout_s:g} s while rank {self.rank} waited "
-                                 f"for {what} (run.collective_timeout_s): it died or hung ({one_line(e)}); "
-                                 "stopping") from None
+                raise PeerSilent(f"rank {src} died or hung: rank {self.rank} waited for {what} (at most "
+                                 f"run.collective_timeout_s={self.timeout_s:g} s; {one_line(e)}); stopping") from None
 
     def flush(self, timeout_s: float = 10.0) -> None:
         """Wait (at most `timeout_s`) until gloo is done with every send, so the group can be torn down;

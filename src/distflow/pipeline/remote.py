@@ -18,7 +18,7 @@ from concurrent.futures import Future
 
 import torch
 
-from distflow.config import DistflowConfig
+from distflow.config import ConfigError, DistflowConfig
 from distflow.distributed.roles import RoleGroups
 from distflow.errors import RunAborted
 from distflow.pipeline.links import Links
@@ -115,7 +115,10 @@ class RemoteRollout:
     def abort(self, line: str) -> None:
         """Forward this trainer's RunAborted to its rollout set, so they stop with its line."""
         for dst in self.rollout_set:
-            self.links.send(dst, {"kind": "abort", "line": line})
+            try:
+                self.links.send(dst, {"kind": "abort", "line": line})
+            except RuntimeError:  # that rank is gone (it may be the one that failed)
+                pass
         self.links.flush(timeout_s=5.0)  # the line reaches them before this rank goes
 
     def evaluate(self, tag: str = "eval") -> dict[str, float]:
@@ -140,6 +143,11 @@ class RemoteRollout:
         return {"inbox": inbox, "cursors": {str(k): v for k, v in self.cursors.items()}}
 
     def load_state_dict(self, state: dict) -> None:
+        saved = sorted(int(k) for k in state["cursors"])
+        if saved != self.rollout_set:  # another split wrote it: its groups in flight were dealt to other ranks
+            raise ConfigError(f"the checkpoint's groups in flight belong to rollout ranks {saved} of trainer "
+                              f"{self.rank}, this run gives it {self.rollout_set}: resume a split run with the world "
+                              "size and pipeline.rollout_ranks that wrote it")
         self.inbox = {int(t): [{**m, "groups": [(p, [sample_from_data(s) for s in samples], r)
                                                 for p, samples, r in m["groups"]]} for m in messages]
                       for t, messages in state["inbox"].items()}

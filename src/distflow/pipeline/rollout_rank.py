@@ -80,7 +80,11 @@ class RolloutRank:
             line = f"rank {self.rank} raised {type(e).__name__}: {' '.join(str(e).split())}; " \
                    f"stopped generating step {self.target}"
             for t in self.trainers:
-                self.links.send(t, {"kind": "abort", "line": line})
+                try:
+                    self.links.send(t, {"kind": "abort", "line": line})
+                except RuntimeError:  # that trainer is gone
+                    pass
+            self.links.flush(timeout_s=5.0)
             raise
 
     def resume(self) -> None:
