@@ -79,9 +79,9 @@ def summarise(results: dict[str, list[dict]], warmup: int, tau: tuple[float, flo
 
     out, w, t_ranks, length, g = [], shape["world"], shape["trainers"], shape["length"], shape["group_size"]
     sync = [r for run in results["sync"] for r in run["rows"][warmup:]]
-    sync_gen, sync_step = mean(sync, "timing/generate_s"), mean(sync, "timing/step_s")
     b_sync = shape["prompts"] * g  # sequences per generate call in sync
-    emulated = tau[0] * length + tau[1] * b_sync * length
+    real_gen, sync_step = mean(sync, "timing/generate_s"), mean(sync, "timing/step_s")  # (the phase ends before the pad)
+    sync_gen = real_gen + tau[0] * length + tau[1] * b_sync * length
     train = sync_step - sync_gen  # the trainers' own work per step (logprobs, update, resync)
     for mode in MODES:
         rows = [r for run in results[mode] for r in run["rows"][warmup:]]
@@ -94,7 +94,7 @@ def summarise(results: dict[str, list[dict]], warmup: int, tau: tuple[float, flo
         else:
             eta, r_ranks = int(mode[-1]), w - t_ranks
             b = shape["prompts"] * w // r_ranks * g  # each rollout rank's share of the global batch
-            t_batch = tau[0] * length + tau[1] * b * length + (sync_gen - emulated) * b / b_sync
+            t_batch = tau[0] * length + tau[1] * b * length + real_gen * b / b_sync
             publish = mean(rows, "timing/sync_s")
             generate = t_batch
             model_step = t_batch + train + publish if eta == 0 else max(t_batch, train + publish)
