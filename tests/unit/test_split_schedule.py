@@ -8,7 +8,7 @@ from distflow.config import ConfigError, ModelConfig
 from distflow.distributed import DistInfo
 from distflow.distributed.layout import ParallelLayout
 from distflow.distributed.roles import Roles
-from distflow.pipeline.schedule import engine_version, first_target, held_targets, weights_needed
+from distflow.pipeline.schedule import engine_version, held_targets, weights_needed
 from distflow.tasks.sampler import ShardedSampler
 
 
@@ -36,7 +36,6 @@ def test_the_staged_schedule():
     assert [engine_version(s, 0) for s in (1, 2, 3)] == [0, 1, 2]  # sync
     assert [engine_version(s, 2) for s in (1, 2, 3, 4, 5)] == [0, 0, 0, 1, 2]
     assert [weights_needed(v, 1, 6) for v in (3, 4, 5, 6)] == [True, True, False, False]
-    assert first_target(0, 2) == 1 and first_target(3, 2) == 6
     assert list(held_targets(3, 2, 6)) == [4, 5] and list(held_targets(5, 2, 6)) == [6]
     assert list(held_targets(6, 2, 6)) == [] and list(held_targets(3, 0, 6)) == []
 

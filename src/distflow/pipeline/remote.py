@@ -53,7 +53,6 @@ class RemoteRollout:
         self.resumed = False  # the first version after a resume carries the cursors back
         self.step = 0
         self.signalled = False  # a rollout rank got SIGTERM/SIGUSR1: the run saves and stops at this step's end
-        self.recv_bytes = 0
         local.sleep()  # the rollout ranks generate: this engine only keeps vLLM's start-up symmetric
 
     @property

@@ -21,12 +21,6 @@ def weights_needed(version: int, eta: int, steps: int) -> bool:
     return version + 1 + eta <= steps
 
 
-def first_target(resumed_step: int, eta: int) -> int:
-    """The first target a rollout rank generates: 1 on a fresh start; after a checkpoint at step c the
-    one after the c + 1 .. c + eta that the checkpoint holds (generated before it was taken)."""
-    return resumed_step + 1 + (eta if resumed_step else 0)
-
-
 def held_targets(step: int, eta: int, steps: int) -> range:
     """The targets a checkpoint at `step` holds as data: generated already, not trained yet."""
     return range(step + 1, min(step + eta, steps) + 1)
