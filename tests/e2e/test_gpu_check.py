@@ -123,6 +123,11 @@ def test_dry_run_on_the_image_packages_plus_the_carried_ones_writes_every_figure
     carry = result["runs"]["carryover_dry_run_bf16"]  # bench/carryover.py on the same packages
     assert carry["rc"] == 0 and [s["eta"] for s in carry["summary"]] == [0, 1, 3], carry.get("output_tail")
     assert carry["eta3_generate_ratio"] > 0 and isinstance(carry["goals_met"], bool)
+    # bench/carryover.py's own figures (this is the suite's run of that benchmark, at its --smoke sizes)
+    modes = {s["eta"]: s for s in carry["summary"]}
+    assert modes[0]["generate_ratio"] == 1.0 and modes[0]["carried_tokens"] == 0 and modes[3]["carried_tokens"] > 0
+    for s in modes.values():
+        assert s["generate_s"] > 0 and s["step_s"] > 0 and s["staleness_max"] <= s["eta"], s
     run = result["runs"]["dry_run_shape_bf16"]
     assert run["rc"] == 0 and run["steps"] == 1, run.get("output_tail")
     config = json.loads((out / "models" / "dry_run" / "config.json").read_text())

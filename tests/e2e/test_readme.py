@@ -5,7 +5,9 @@ working folder that holds the docs' own `my_rewards.py` (so a reward module besi
 importable under torchrun, as the docs say); the few that another e2e test launches itself, with
 many more checks (RUN_ELSEWHERE), run there instead. Lines that differ from a launched one only
 in their task (TASK_ONLY) are composed as the recipe composes them, and their task is built in
-that folder: the prompts load and the rewards score each prompt's own answer. GPU lines (`.venv-gpu/bin/torchrun`) are
+that folder: the prompts load and the rewards score each prompt's own answer. Lines whose pipeline
+another test runs with more checks (PIPELINE_ELSEWHERE) are composed and their rank layout built
+for their --nproc_per_node, as every rank checks them before any weights load. GPU lines (`.venv-gpu/bin/torchrun`) are
 composed: the config they build must validate and resolve on CUDA to the documented defaults.
 sbatch lines run the real template against a fake allocation (stub srun, a stand-in GPU python)
 and the torchrun command it builds is composed the same way. make lines are dry-run (`make -n`).
@@ -45,6 +47,19 @@ TASK_ONLY = {
 }
 
 
+# Commands whose pipeline another test runs, with more checks than one step here; the line itself
+# must compose and lay out on its ranks.
+PIPELINE_ELSEWHERE = {
+    ".venv/bin/torchrun --standalone --nproc_per_node=2 recipes/grpo.py experiment=smoke pipeline=carryover":
+        "e2e/test_smoke.py: carry-over on vLLM under the docs' launcher",
+    ".venv/bin/torchrun --standalone --nproc_per_node=2 recipes/grpo.py experiment=smoke pipeline=carryover  "
+    "pipeline.max_staleness=3": "e2e/test_smoke.py; eta 3 in bench/carryover.py (e2e/test_gpu_check.py's dry run)",
+    ".venv/bin/torchrun --standalone --nproc_per_node=4 recipes/grpo.py experiment=smoke pipeline=split  "
+    "pipeline.rollout_ranks=2 pipeline.max_staleness=2": "distributed/test_split_pipeline.py: 2 + 2 ranks at eta 2, "
+                                                          "signalled and resumed; the 2-rank split line launches here",
+}
+
+
 def readme_commands() -> list[str]:
     return doc_commands()
 
@@ -67,7 +82,7 @@ def test_every_readme_command_is_checked_here():
     assert {"make demo", "make test", "make install-gpu", "make gpu-check"} <= set(commands)
     assert len(of_kind("cpu")) >= 6 and len(of_kind("gpu")) >= 1 and len(of_kind("sbatch")) >= 2
     # the commands run elsewhere are shown, and those tests use them (docs_helpers.doc_command)
-    assert set(RUN_ELSEWHERE) | set(TASK_ONLY) <= set(of_kind("cpu"))
+    assert set(RUN_ELSEWHERE) | set(TASK_ONLY) | set(PIPELINE_ELSEWHERE) <= set(of_kind("cpu"))
     for command, test in RUN_ELSEWHERE.items():
         text = (ROOT / "tests" / test).read_text()
         assert "doc_command(" in text and command in text, (command, test)
@@ -80,7 +95,8 @@ def test_readme_make_target_exists(command):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command", [c for c in of_kind("cpu") if c not in RUN_ELSEWHERE and c not in TASK_ONLY])
+@pytest.mark.parametrize("command", [c for c in of_kind("cpu")
+                                     if c not in RUN_ELSEWHERE and c not in TASK_ONLY and c not in PIPELINE_ELSEWHERE])
 def test_readme_cpu_command_runs(command, tmp_path):
     out = tmp_path / "out"
     proc = run_doc_command(command, ["run.steps=1", f"run.output_dir={out}", "logging.plot_at_end=false"], tmp_path)
@@ -114,6 +130,27 @@ def test_readme_task_line_loads_and_scores(command, tmp_path, monkeypatch):
         rewards, stats = pool.score(calls)
     assert stats.get("errors", 0) == 0, stats
     assert rewards == [1.0] * 4 + [0.0] * 4, rewards
+
+
+@pytest.mark.parametrize("command", list(PIPELINE_ELSEWHERE))
+def test_readme_pipeline_line_composes_and_lays_out(command):
+    import torch
+
+    from config_helpers import compose
+    from distflow.distributed import DistInfo
+    from distflow.distributed.layout import ParallelLayout
+
+    args = shlex.split(command)
+    cfg = compose(args[args.index("recipes/grpo.py") + 1:]).validate()
+    nproc = int(next(a for a in args if a.startswith("--nproc_per_node=")).split("=")[1])
+    rollout_ranks = cfg.pipeline.rollout_ranks if cfg.pipeline.mode == "split" else 0
+    layout = ParallelLayout.from_config(cfg.model, DistInfo(0, nproc, 0, nproc, torch.device("cpu"), "gloo"),
+                                        cfg.rollout.tensor_parallel_size, rollout_ranks)
+    assert (cfg.data.prompts_per_rank * layout.trainers) % max(rollout_ranks, 1) == 0
+    for override in args[args.index("recipes/grpo.py") + 1:]:  # what the line sets is what the run gets
+        if "=" in override and "." in override.split("=")[0]:
+            section, key = override.split("=")[0].split(".")
+            assert str(getattr(getattr(cfg, section), key)) == override.split("=")[1], override
 
 
 def _compose_for_cuda(overrides: list[str]):
