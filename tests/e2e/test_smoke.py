@@ -6,7 +6,7 @@ equals its end-of-run export; the same run with carry-over at eta = 0 is the syn
 (metrics and exported weights). Padded rows taking the packed rows' step is checked in-process
 (distributed/test_trainer_loop.py, test_shared_prefix.py); the old trainer.* spellings under
 torchrun by e2e/test_failures.py. Resuming bit-exactly is checked by the other engine runs
-(e2e/test_tensor_parallel_runs.py, test_lora_runs.py, test_tools_runs.py, test_preemption_runs.py),
+(e2e/test_tensor_parallel_runs.py, test_tools_runs.py with LoRA, test_preemption_runs.py),
 each of which stops and continues.
 """
 
