@@ -192,17 +192,21 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--check-config"]:
         with_dir = sys.argv[2:3] == ["--with-output-dir"]
         sys.exit(check_config(sys.argv[3 if with_dir else 2:], output_dir=with_dir))
-    # torchelastic's @record (its error file names an uncaught error in torchrun's failure summary),
-    # applied here so the pre-flight above never imports torch
-    from torch.distributed.elastic.multiprocessing.errors import record
+    # torchelastic's @record under torchrun (its error file names an uncaught error in torchrun's
+    # failure summary), applied here so that the pre-flight, and one process's refusals before any
+    # model loads, never import torch
+    entry = main
+    if "TORCHELASTIC_ERROR_FILE" in os.environ:
+        from torch.distributed.elastic.multiprocessing.errors import record
 
+        entry = record(main)
     # Hydra's own composition errors (an unknown group option, a value it cannot convert, a malformed
     # override) are multi-line reports: the pre-flight's one line comes first, on every rank
     if status := check_config(sys.argv[1:]):
         sys.exit(status)
     _prepare_argv()
     try:
-        record(main)()
+        entry()
     except SystemExit as e:
         if e.code not in (0, None):
             # Any other end keeps the interpreter's exit: torchrun stops the other ranks as soon as
