@@ -7,7 +7,8 @@ many more checks (RUN_ELSEWHERE), run there instead. Lines that differ from a la
 in their task (TASK_ONLY) are composed as the recipe composes them, and their task is built in
 that folder: the prompts load and the rewards score each prompt's own answer. Lines whose pipeline
 another test runs with more checks (PIPELINE_ELSEWHERE) are composed and their rank layout built
-for their --nproc_per_node, as every rank checks them before any weights load. GPU lines (`.venv-gpu/bin/torchrun`) are
+for their --nproc_per_node, as every rank checks them before any weights load; a launched line
+whose point is not the engine runs on the HF engine (HF_ENGINE). GPU lines (`.venv-gpu/bin/torchrun`) are
 composed: the config they build must validate and resolve on CUDA to the documented defaults.
 sbatch lines run the real template against a fake allocation (stub srun, a stand-in GPU python)
 and the torchrun command it builds is composed the same way. make lines are dry-run (`make -n`).
@@ -60,6 +61,14 @@ PIPELINE_ELSEWHERE = {
 }
 
 
+# Launched lines whose point is not the engine: they run on the HF engine (vLLM under torchrun is
+# e2e/test_smoke.py's; the split line keeps vLLM, its only launch with the rollout ranks' engines).
+HF_ENGINE = {
+    ".venv/bin/torchrun --standalone --nproc_per_node=2 recipes/grpo.py experiment=smoke  "
+    "'++task.rewards={my_rewards\\:my_reward: 1.0, format: 0.1}'": "the user's reward module in the reward workers",
+}
+
+
 def readme_commands() -> list[str]:
     return doc_commands()
 
@@ -82,7 +91,7 @@ def test_every_readme_command_is_checked_here():
     assert {"make demo", "make test", "make install-gpu", "make gpu-check"} <= set(commands)
     assert len(of_kind("cpu")) >= 6 and len(of_kind("gpu")) >= 1 and len(of_kind("sbatch")) >= 2
     # the commands run elsewhere are shown, and those tests use them (docs_helpers.doc_command)
-    assert set(RUN_ELSEWHERE) | set(TASK_ONLY) | set(PIPELINE_ELSEWHERE) <= set(of_kind("cpu"))
+    assert set(RUN_ELSEWHERE) | set(TASK_ONLY) | set(PIPELINE_ELSEWHERE) | set(HF_ENGINE) <= set(of_kind("cpu"))
     for command, test in RUN_ELSEWHERE.items():
         text = (ROOT / "tests" / test).read_text()
         assert "doc_command(" in text and command in text, (command, test)
@@ -99,7 +108,9 @@ def test_readme_make_target_exists(command):
                                      if c not in RUN_ELSEWHERE and c not in TASK_ONLY and c not in PIPELINE_ELSEWHERE])
 def test_readme_cpu_command_runs(command, tmp_path):
     out = tmp_path / "out"
-    proc = run_doc_command(command, ["run.steps=1", f"run.output_dir={out}", "logging.plot_at_end=false"], tmp_path)
+    engine = ["rollout=hf"] if command in HF_ENGINE else []
+    proc = run_doc_command(command, ["run.steps=1", f"run.output_dir={out}", "logging.plot_at_end=false", *engine],
+                           tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1
