@@ -12,11 +12,12 @@ decoding them together takes (shared async-design section 4: T_batch = tau0 L_ma
 costs no CPU, so on 2 cores the overlap of generation and training shows; without it both roles
 compete for the same cores and no gain is expected.
 
-Per mode: step, generate (the generating ranks'), update and publish seconds, the trainers' wait for
-groups, the rollout ranks' idle ratio, staleness mean/max, trained samples/s and its ratio vs sync, and
-the model's ratio from the measured parts: sync S = T_batch(W) + t, split eta = 0: T_batch(R) + t + r,
-eta >= 1: max(T_batch(R), t + r), t the trainers' own step time (sync's step - generate), r the publish,
-T_batch(R) the emulated time plus sync's real generate time scaled by the sequences per rank.
+Per mode: step, generate (the generating ranks'), update and publish seconds, the trainers' wait in
+collectives and for the step's groups (timing/recv_wait_s), the rollout ranks' idle ratio
+(rollout/idle_ratio), staleness mean/max, trained samples/s and its ratio vs sync, and the model's ratio
+from the measured parts: sync S = T_batch(W) + t, split eta = 0: T_batch(R) + t + r, eta >= 1:
+max(T_batch(R), t + r), t the trainers' own step time (sync's step - generate), r the publish, T_batch(R)
+the emulated time plus sync's real generate time scaled by the sequences per rank.
 
     .venv/bin/python bench/pipeline.py --engine-time 0.02,0.0005
     .venv/bin/python bench/pipeline.py                          # real CPU engines only
@@ -51,7 +52,6 @@ def worker(a) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
     from config_helpers import compose
 
-    from distflow.distributed import waited_s
     from distflow.job import build_job
     from distflow.run.exit import exit_process
 
@@ -60,13 +60,13 @@ def worker(a) -> None:
     job = build_job(compose(json.loads(a.overrides)), [pad])
     rollout = job.rollout.local if hasattr(job.rollout, "local") else job.rollout  # a split trainer's own
     pad.groups = rollout.per_rank
-    start, waited = time.perf_counter(), waited_s()
+    start = time.perf_counter()
     job.train()
     wall = time.perf_counter() - start
     publisher = getattr(job.rollout, "publisher", None)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / f"rank_{job.run.dist.rank}.json").write_text(json.dumps({
-        "trainer": hasattr(job, "learner"), "wall_s": wall, "waited_s": waited_s() - waited,
+        "trainer": hasattr(job, "learner"), "wall_s": wall,
         "published_bytes": publisher.sent_bytes if publisher is not None else 0}))
     job.close()
     exit_process(0)  # skip the interpreter's teardown of torch and vLLM
@@ -86,7 +86,6 @@ def summarise(results: dict[str, list[dict]], warmup: int, tau: tuple[float, flo
     for mode in MODES:
         rows = [r for run in results[mode] for r in run["rows"][warmup:]]
         ranks = [x for run in results[mode] for x in run["ranks"]]
-        rollout = [x for x in ranks if not x["trainer"]]
         samples = mean(rows, "samples_per_step")
         step = mean(rows, "timing/step_s")
         if mode == "sync":
@@ -102,7 +101,8 @@ def summarise(results: dict[str, list[dict]], warmup: int, tau: tuple[float, flo
             "mode": mode, "steps": len(rows), "step_s": step, "generate_s": generate,
             "update_s": mean(rows, "timing/update_s"), "publish_s": mean(rows, "timing/sync_s"),
             "trainer_wait_s": mean(rows, "timing/wait_s"),
-            "rollout_idle_ratio": statistics.fmean(x["waited_s"] / x["wall_s"] for x in rollout) if rollout else 0.0,
+            "trainer_recv_wait_s": mean(rows, "timing/recv_wait_s"),
+            "rollout_idle_ratio": mean(rows, "rollout/idle_ratio"),
             "published_bytes_per_trainer_step": statistics.fmean(
                 x["published_bytes"] for x in ranks if x["trainer"]) / max(len(results[mode][0]["rows"]), 1),
             "staleness_mean": mean(rows, "staleness/mean"), "staleness_max": max((r.get("staleness/max", 0) for r in rows),
@@ -162,11 +162,12 @@ def main() -> None:
     shape = {"world": w, "trainers": trainers, "length": length, "group_size": args.group_size,
              "prompts": args.prompts_per_rank}
     summary = summarise(results, warmup, tau, shape)
-    print(C.table(["mode", "step s", "generate s", "update s", "publish s", "trainer wait s", "rollout idle",
-                   "staleness mean/max", "samples/s", "x sync", "model x sync", "of model"],
+    print(C.table(["mode", "step s", "generate s", "update s", "publish s", "trainer wait s", "recv wait s",
+                   "rollout idle", "staleness mean/max", "samples/s", "x sync", "model x sync", "of model"],
                   [[s["mode"], s["step_s"], s["generate_s"], s["update_s"], s["publish_s"], s["trainer_wait_s"],
-                    s["rollout_idle_ratio"], f"{s['staleness_mean']:.2f}/{s['staleness_max']:.0f}", s["samples_per_s"],
-                    s["ratio_vs_sync"], s["model_ratio"], s["of_model"]] for s in summary]))
+                    s["trainer_recv_wait_s"], s["rollout_idle_ratio"],
+                    f"{s['staleness_mean']:.2f}/{s['staleness_max']:.0f}", s["samples_per_s"], s["ratio_vs_sync"],
+                    s["model_ratio"], s["of_model"]] for s in summary]))
     C.write_json(args.results_dir, "pipeline", {
         "bench": "pipeline", "smoke": args.smoke, "machine": C.machine(), "engine": args.engine, "model": args.model,
         "world": w, "trainers": trainers, "max_new_tokens": length, "prompts_per_rank_sync": args.prompts_per_rank,

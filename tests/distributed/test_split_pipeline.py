@@ -148,6 +148,8 @@ def test_every_token_is_exactly_eta_versions_older_than_the_sync_runs(runs, name
         lag = min(row["step"] - 1, eta)
         assert row["staleness/mean"] == row["staleness/max"] == lag, row
         assert row[f"rollout_corr/lag{lag}/tokens"] > 0 and row["grad_norm"] > 0, row
+        # the rollout ranks' time not generating, and the trainers' wait for the step's groups
+        assert 0 <= row["rollout/idle_ratio"] < 1 and 0 <= row["timing/recv_wait_s"] <= row["timing/step_s"], row
 
 
 def test_a_run_stopped_with_groups_in_flight_resumes_bit_for_bit(runs):

@@ -78,6 +78,8 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
     ages = token_ages(step, samples) if stale else []
     if stale:
         sums.update(carryover_sums(ages, stats.pipeline))
+    if cfg.pipeline.mode == "split":  # each trainer has its rollout set's seconds: summed, every rollout rank once
+        sums.update({k: stats.pipeline.get(k, 0.0) for k in ("rollout_wall_s", "rollout_generate_s")})
     timing = with_compute(timing)
     maxima = {f"timing/{k}_s": v for k, v in timing.items()}
     maxima.update({"timing/slowest_rank": slowest_rank_code(timing["compute"]),
@@ -154,6 +156,8 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
         out.update({"staleness/mean": g["staleness_sum"] / max(g["staleness_tokens"], 1.0),
                     "staleness/max": g["staleness/max"],
                     **({f"partial/{k}": g[f"partial/{k}"] for k in PARTIAL_KEYS} if carryover else {})})
+    if cfg.pipeline.mode == "split":  # the rollout ranks' time not spent generating (waiting for weights, sending)
+        out["rollout/idle_ratio"] = 1.0 - g["rollout_generate_s"] / max(g["rollout_wall_s"], 1e-9)
     if a.dynamic_sampling:
         out["dynamic_sampling/kept_groups"] = g["kept_groups"]
         out["dynamic_sampling/generated_groups"] = g["generated_groups"]

@@ -65,7 +65,8 @@ class RemoteRollout:
     # ----------------------------------------------------------------- groups in
     def collect(self, step: int) -> tuple[Rollouts, Future]:
         self.step = step
-        messages = self.inbox.pop(step) if step in self.inbox else self._receive(step)
+        with self.local.timer.phase("recv_wait"):  # timing/recv_wait_s: blocked until the step's groups came
+            messages = self.inbox.pop(step) if step in self.inbox else self._receive(step)
         return self.local.hand_over(self._merge(messages))
 
     def _receive(self, target: int) -> list[dict]:
@@ -93,6 +94,9 @@ class RemoteRollout:
             if m["stats"] is not None:
                 stats.generated_groups += m["stats"]["generated_groups"]
                 stats.add_failures(m["stats"]["reward_failures"])
+                for key in ("wall_s", "generate_s"):  # this trainer's rollout set's, for rollout/idle_ratio
+                    seconds = m["stats"].get(key, 0.0)
+                    stats.pipeline[f"rollout_{key}"] = stats.pipeline.get(f"rollout_{key}", 0.0) + seconds
         kept.stats = stats
         return kept
 

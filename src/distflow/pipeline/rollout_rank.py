@@ -16,6 +16,7 @@ and a resume's first version carries its cursor and first target back.
 from __future__ import annotations
 
 import logging
+import time
 
 from distflow.distributed import enter_scope, shutdown
 from distflow.distributed.roles import RoleGroups
@@ -55,6 +56,7 @@ class RolloutRank:
                                        run.dist.device, timeout)
         self.version, self.target = 0, 1
         self.stopped: Stopped | None = None
+        self.sent_at = time.perf_counter()  # the end of the last send: each target's share of wall time starts there
 
     # ----------------------------------------------------------------- the loop
     def train(self) -> None:
@@ -69,7 +71,9 @@ class RolloutRank:
                         return
                 self.timer.new_step(self.target)
                 first = self.rollout.sampler.state_dict()["offset"]  # the step's first stream position
-                self.send(self.target, self.rollout.gather(self.target), first)
+                start = time.perf_counter()
+                kept = self.rollout.gather(self.target)
+                self.send(self.target, kept, first, generate_s=time.perf_counter() - start)
                 self.target += 1
             while self.version < steps:  # the trainers' last versions and their controls
                 if not self.advance():
@@ -114,22 +118,26 @@ class RolloutRank:
                 self.rollout.load_weights(self.receiver.tensors(announce), announce["version"])
         self.version = announce["version"]
 
-    def send(self, target: int, kept: Rollouts, first: int) -> None:
+    def send(self, target: int, kept: Rollouts, first: int, generate_s: float) -> None:
         """Each trainer its groups of `target` (whose stream positions start at `first`); its publisher
-        also this rank's counts and data cursor."""
+        also this rank's counts, its data cursor, and the seconds since the previous send with the
+        part of them it generated (the rest it waited for weights or sent: `rollout/idle_ratio`)."""
         g = self.cfg.algorithm.group_size
         shares: dict[int, list] = {t: [] for t in self.trainers}
         for i in range(len(kept.items)):
             samples = kept.samples[i * g:(i + 1) * g]
             rewards = kept.rewards[i].tolist() if kept.rewards is not None else None
             shares[self.roles.trainer_of(samples[0].position, first)].append((samples[0].position, samples, rewards))
-        stats = {"generated_groups": kept.stats.generated_groups, "reward_failures": kept.stats.reward_failures}
+        now = time.perf_counter()
+        stats = {"generated_groups": kept.stats.generated_groups, "reward_failures": kept.stats.reward_failures,
+                 "wall_s": now - self.sent_at, "generate_s": generate_s}
         signal = self.stop_signal.name is not None
         for t in self.trainers:
             mine = t == self.publisher
             self.links.send(t, {"kind": "groups", "target": target, "groups": shares[t], "rounds": kept.stats.rounds,
                                 "stats": stats if mine else None,
                                 "cursor": self.rollout.sampler.state_dict() if mine else None, "signal": signal})
+        self.sent_at = now
 
     def close(self) -> None:
         self.stop_signal.uninstall()
