@@ -5,7 +5,8 @@ generate; tiny model, the hf engine), against sync runs on 2 ranks:
   weights); DAPO's dynamic sampling runs on the rollout ranks at eta = 1;
 - the staged schedule: at eta = 1 and 2 every trained token is exactly eta versions older than the
   sync run's, and a run stopped by a signal to a rollout rank with groups generated for later steps,
-  then resumed, equals one run straight through (so two runs of a config are identical);
+  then resumed, equals one run straight through (so two runs of a config are identical); resumed on
+  1 + 2 ranks, the one trainer trains both trainers' groups in flight;
 - a rollout rank that raises stops every rank with its line, and one killed (SIGKILL) mid-run stops
   every survivor within run.collective_timeout_s with a line naming it; layouts a split cannot run
   stop every rank before any weights load.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -83,6 +85,8 @@ def _worker(rank, world, tmp, cases):
     for name, folder, overrides, fault in cases:
         out = Path(tmp) / folder
         result = _run_one(rank, overrides, out, fault)
+        if name == "eta2_first_half" and rank == 0:  # for a resume on fewer trainers (the continued run prunes it)
+            shutil.copytree(out / "checkpoints" / "step_000003", Path(tmp) / "eta2_step3")
         if fault and fault[2] == "kill":  # no collective with a dead rank: each survivor writes its own
             (Path(tmp) / f"{name}.rank{rank}.json").write_text(json.dumps(result))
             for _ in range(600):  # the harness stops every rank once one fails: wait for the other survivors
@@ -118,8 +122,10 @@ def killed(tmp_path_factory, tiny_model_dir):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("split")
+    resized = [("eta2_resized", "eta2_resized", [*ETA2, f"checkpoint.resume={tmp / 'eta2_step3'}"], None)]
     return {**run_distributed(_worker, 2, str(tmp), REFERENCE, timeout=600),
-            **run_distributed(_worker, 4, str(tmp), CASES, timeout=900)}
+            **run_distributed(_worker, 4, str(tmp), CASES, timeout=900),
+            **run_distributed(_worker, 3, str(tmp), resized, timeout=600)}  # 1 trainer + the 2 rollout ranks
 
 
 def _rows(runs, name, steps):
@@ -158,6 +164,20 @@ def test_a_run_stopped_with_groups_in_flight_resumes_bit_for_bit(runs):
     assert runs["eta2_first_half"]["inbox"] == ["4", "5"]  # generated for steps 4 and 5, kept as data
     assert _same(straight, _rows(runs, "eta2_continued", 6), keys=set())
     assert runs["eta2_straight"]["weights"] == runs["eta2_continued"]["weights"] is not None
+
+
+def test_a_run_resumed_on_fewer_trainers_trains_the_groups_in_flight_once(runs):
+    """The checkpoint of 2 + 2 ranks after step 3 (targets 4 and 5 in it), resumed on 1 + 2: the one
+    trainer trains both trainers' groups of steps 4 and 5, then the rollout ranks go on from the data
+    cursor with the new step's share (data.prompts_per_rank x 1 trainer)."""
+    straight, rows = _rows(runs, "eta2_straight", 6), runs["eta2_resized"]["rows"]
+    assert [r["outcome"] for r in runs["eta2_resized"]["ranks"]] == ["trained"] * 3
+    assert [r["step"] for r in rows] == [4, 5, 6]  # a new folder: its metrics start after the checkpoint
+    for r, s in zip(rows[:2], straight[3:5]):  # the same samples, on one trainer instead of two
+        assert r["response_length/mean"] == s["response_length/mean"], (r, s)
+        assert r["reward/mean"] == pytest.approx(s["reward/mean"], rel=1e-6), (r, s)
+    assert all(r["staleness/mean"] == r["staleness/max"] == 2 and r["grad_norm"] > 0 for r in rows), rows
+    assert rows[2]["rollout_corr/lag2/tokens"] < straight[5]["rollout_corr/lag2/tokens"]  # half the prompts
 
 
 def test_a_rollout_rank_that_raises_stops_every_rank_with_its_line(runs):

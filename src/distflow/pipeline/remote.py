@@ -10,6 +10,7 @@ gives rank t (Roles.trainer_of), so at eta = 0 its batch is that run's rank t's,
 Groups already generated for later steps are data a checkpoint keeps: `state_dict` receives the
 targets the checkpoint's step leaves in flight (distflow.pipeline.schedule.held_targets) and writes
 them with each rollout rank's data cursor; a resume hands the cursors back with the first version.
+A resume on another number of trainers deals the held groups anew (`load_pooled`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class RemoteRollout:
         """`local`: this trainer's own Rollout (its engine stays asleep; its task scores, its balance
         runs over the trainers); `groups`: the split's process groups."""
         roles, self.rank = groups.roles, groups.rank
-        self.local, self.cfg = local, cfg
+        self.roles, self.local, self.cfg = roles, local, cfg
         self.eta, self.steps, self.group_size = cfg.pipeline.max_staleness, cfg.run.steps, cfg.algorithm.group_size
         self.links = Links(groups.link_group, self.rank, cfg.run.collective_timeout_s)
         self.rollout_set = roles.rollout_set(self.rank)
@@ -141,18 +142,61 @@ class RemoteRollout:
         for target in held_targets(self.step, self.eta, self.steps):
             if target not in self.inbox:
                 self.inbox[target] = self._receive(target)
-        inbox = {str(t): [{**m, "groups": [[p, [sample_to_data(s) for s in samples], r] for p, samples, r in m["groups"]]}
-                          for m in messages] for t, messages in self.inbox.items()}
+        inbox = {str(t): [_to_data(m) for m in messages] for t, messages in self.inbox.items()}
         return {"inbox": inbox, "cursors": {str(k): v for k, v in self.cursors.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        saved = sorted(int(k) for k in state["cursors"])
-        if saved != self.rollout_set:  # another split wrote it: its groups in flight were dealt to other ranks
-            raise ConfigError(f"the checkpoint's groups in flight belong to rollout ranks {saved} of trainer "
-                              f"{self.rank}, this run gives it {self.rollout_set}: resume a split run with the world "
-                              "size and pipeline.rollout_ranks that wrote it")
-        self.inbox = {int(t): [{**m, "groups": [(p, [sample_from_data(s) for s in samples], r)
-                                                for p, samples, r in m["groups"]]} for m in messages]
-                      for t, messages in state["inbox"].items()}
-        self.cursors = {int(k): v for k, v in state["cursors"].items()}
+        """The same trainers as the run that wrote it: its groups in flight as they were dealt. The rollout
+        ranks may differ in number: every data cursor is the one global stream offset (ShardedSampler)."""
+        self.inbox = {int(t): [_from_data(m) for m in messages] for t, messages in state["inbox"].items()}
+        self._take_cursors(list(state["cursors"].values()))
+
+    def load_pooled(self, states: list[dict]) -> None:
+        """A resume on another number of trainers: every saving trainer's groups in flight, dealt to this
+        run's trainers as new targets are (Roles.trainer_of from each target's first stream position),
+        with the generating ranks' stats on trainer 0, so that the metrics count every group once."""
+        messages: dict[int, list[dict]] = {}
+        for state in states:
+            for t, saved in state["inbox"].items():
+                messages.setdefault(int(t), []).extend(saved)
+        self.inbox = {t: [self._dealt(t, ms)] for t, ms in sorted(messages.items())}
+        self._take_cursors([c for state in states for c in state["cursors"].values()])
+
+    def _dealt(self, target: int, messages: list[dict]) -> dict:
+        if any("first" not in m for m in messages):
+            raise ConfigError(f"the checkpoint's groups of step {target} do not say where the step's stream "
+                              "starts (an older distflow wrote them): resume it with the number of trainer ranks "
+                              "that wrote it")
+        first = messages[0]["first"]
+        groups = [g for m in messages for g in m["groups"] if self.roles.trainer_of(g[0], first) == self.rank]
+        stats = None
+        if self.rank == 0:
+            stats = {"generated_groups": 0, "reward_failures": {}, "wall_s": 0.0, "generate_s": 0.0}
+            for m in messages:
+                for key, value in (m["stats"] or {}).items():
+                    if key == "reward_failures":
+                        for name, count in value.items():
+                            stats[key][name] = stats[key].get(name, 0.0) + count
+                    else:
+                        stats[key] += value
+        return _from_data({"kind": "groups", "target": target, "first": first, "groups": groups, "stats": stats,
+                           "rounds": max(m["rounds"] for m in messages), "cursor": None, "signal": False})
+
+    def _take_cursors(self, saved: list[dict]) -> None:
+        """This trainer's rollout set's data cursors: the saved ones agree (one global stream offset)."""
+        if len({c["offset"] for c in saved}) != 1:
+            raise ConfigError(f"the checkpoint's rollout cursors disagree ({sorted({c['offset'] for c in saved})}): "
+                              "it is not a split run's checkpoint this distflow can resume")
+        self.cursors = {dst: dict(saved[0]) for dst in self.rollout_set}
         self.resumed = True
+
+
+def _to_data(message: dict) -> dict:
+    """A received message as a checkpoint's inbox holds it: its samples as data."""
+    return {**message, "groups": [[p, [sample_to_data(s) for s in samples], r] for p, samples, r in message["groups"]]}
+
+
+def _from_data(message: dict) -> dict:
+    """A message of a checkpoint's inbox with its samples rebuilt."""
+    groups = [(p, [sample_from_data(s) for s in samples], r) for p, samples, r in message["groups"]]
+    return {**message, "groups": groups}

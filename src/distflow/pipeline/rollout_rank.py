@@ -134,7 +134,8 @@ class RolloutRank:
         signal = self.stop_signal.name is not None
         for t in self.trainers:
             mine = t == self.publisher
-            self.links.send(t, {"kind": "groups", "target": target, "groups": shares[t], "rounds": kept.stats.rounds,
+            self.links.send(t, {"kind": "groups", "target": target, "first": first, "groups": shares[t],
+                                "rounds": kept.stats.rounds,
                                 "stats": stats if mine else None,
                                 "cursor": self.rollout.sampler.state_dict() if mine else None, "signal": signal})
         self.sent_at = now
