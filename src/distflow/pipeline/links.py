@@ -65,6 +65,16 @@ class Links:
                 raise PeerSilent(f"rank {src} died or hung: rank {self.rank} waited for {what} (at most "
                                  f"run.collective_timeout_s={self.timeout_s:g} s; {one_line(e)}); stopping") from None
 
+    def abort(self, ranks: list[int], line: str) -> None:
+        """Tell `ranks` this rank stops on an error (`line`), skipping any already gone (it may be the one
+        that failed), and give the line at most 5 s to leave before this rank does."""
+        for dst in ranks:
+            try:
+                self.send(dst, {"kind": "abort", "line": line})
+            except RuntimeError:
+                pass
+        self.flush(timeout_s=5.0)
+
     def flush(self, timeout_s: float = 10.0) -> None:
         """Wait (at most `timeout_s`) until gloo is done with every send, so the group can be torn down;
         sends no peer will receive (it stopped on an error, or before its first step) are left behind."""

@@ -118,12 +118,7 @@ class RemoteRollout:
 
     def abort(self, line: str) -> None:
         """Forward this trainer's RunAborted to its rollout set, so they stop with its line."""
-        for dst in self.rollout_set:
-            try:
-                self.links.send(dst, {"kind": "abort", "line": line})
-            except RuntimeError:  # that rank is gone (it may be the one that failed)
-                pass
-        self.links.flush(timeout_s=5.0)  # the line reaches them before this rank goes
+        self.links.abort(self.rollout_set, line)
 
     def evaluate(self, tag: str = "eval") -> dict[str, float]:
         raise NotImplementedError("held-out validation in a split run (the config refuses it)")

@@ -83,12 +83,7 @@ class RolloutRank:
         except Exception as e:  # the trainers stop with this rank's line instead of waiting out the deadline
             line = f"rank {self.rank} raised {type(e).__name__}: {' '.join(str(e).split())}; " \
                    f"stopped generating step {self.target}"
-            for t in self.trainers:
-                try:
-                    self.links.send(t, {"kind": "abort", "line": line})
-                except RuntimeError:  # that trainer is gone
-                    pass
-            self.links.flush(timeout_s=5.0)
+            self.links.abort(self.trainers, line)
             raise
 
     def resume(self) -> None:
