@@ -154,28 +154,22 @@ class RemoteRollout:
         for state in states:
             for t, saved in state["inbox"].items():
                 messages.setdefault(int(t), []).extend(saved)
-        self.inbox = {t: [self._dealt(t, ms)] for t, ms in sorted(messages.items())}
+        self.inbox = {t: self._dealt(t, ms) for t, ms in sorted(messages.items())}
         self._take_cursors([c for state in states for c in state["cursors"].values()])
 
-    def _dealt(self, target: int, messages: list[dict]) -> dict:
+    def _dealt(self, target: int, messages: list[dict]) -> list[dict]:
+        """The saved messages of `target` with this trainer's groups only; their stats stay on trainer 0
+        (`_merge` sums them there, so every rollout rank's counts are reported once)."""
         if any("first" not in m for m in messages):
             raise ConfigError(f"the checkpoint's groups of step {target} do not say where the step's stream "
                               "starts (an older distflow wrote them): resume it with the number of trainer ranks "
                               "that wrote it")
-        first = messages[0]["first"]
-        groups = [g for m in messages for g in m["groups"] if self.roles.trainer_of(g[0], first) == self.rank]
-        stats = None
-        if self.rank == 0:
-            stats = {"generated_groups": 0, "reward_failures": {}, "wall_s": 0.0, "generate_s": 0.0}
-            for m in messages:
-                for key, value in (m["stats"] or {}).items():
-                    if key == "reward_failures":
-                        for name, count in value.items():
-                            stats[key][name] = stats[key].get(name, 0.0) + count
-                    else:
-                        stats[key] += value
-        return _from_data({"kind": "groups", "target": target, "first": first, "groups": groups, "stats": stats,
-                           "rounds": max(m["rounds"] for m in messages), "cursor": None, "signal": False})
+
+        def mine(m: dict) -> list:
+            return [g for g in m["groups"] if self.roles.trainer_of(g[0], m["first"]) == self.rank]
+
+        return [_from_data({**m, "groups": mine(m), "stats": m["stats"] if self.rank == 0 else None, "cursor": None})
+                for m in messages]
 
     def _take_cursors(self, saved: list[dict]) -> None:
         """This trainer's rollout set's data cursors: the saved ones agree (one global stream offset)."""
