@@ -113,6 +113,16 @@ class CarrySteps:
         return metrics
 
 
+def continued(before: Sample | None, after: Sample, position: int) -> Sample:
+    """A sample as trained: what it had before a cut (None: never cut), then what followed, under its
+    own prompt; each token keeps the version that generated it."""
+    if before is None:
+        after.position = position
+        return after
+    return Sample(before.prompt_ids, before.response_ids + after.response_ids, before.logprobs + after.logprobs,
+                  after.truncated, versions=(before.versions or []) + (after.versions or []), position=position)
+
+
 @dataclass
 class _Group:
     """A group in the engine this step: its samples so far (None: still running) and its requests."""
@@ -230,13 +240,7 @@ class CarryoverDriver(CarrySteps):
             self._complete(group)
 
     def _joined(self, group: _Group, k: int, s: Sample) -> Sample:
-        """A sample as trained: what it had before the cut, then what followed, under its own prompt."""
-        before = group.partial[k] if group.partial is not None else None
-        if before is None:
-            s.position = group.position
-            return s
-        return Sample(before.prompt_ids, before.response_ids + s.response_ids, before.logprobs + s.logprobs,
-                      s.truncated, versions=(before.versions or []) + (s.versions or []), position=group.position)
+        return continued(group.partial[k] if group.partial is not None else None, s, group.position)
 
     # ------------------------------------------------------------------ the step boundary
     def end_step(self, step: int) -> dict[str, float]:
