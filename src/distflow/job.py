@@ -32,4 +32,8 @@ def build_job(cfg: DistflowConfig, observers: list | None = None):
     groups = take_roles(layout, run.dist.backend)
     if groups.is_trainer:
         return SplitTrainer(run, stop_signal, groups, observers)
+    if run.cfg.pipeline.apply == "inflight":
+        from distflow.pipeline.inflight import InflightRolloutRank
+
+        return InflightRolloutRank(run, stop_signal, groups, observers)
     return RolloutRank(run, stop_signal, groups, observers)

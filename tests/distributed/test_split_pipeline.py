@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from distflow.rollout.schedule import bound_problem
 from config_helpers import compose
 from dist_helpers import gathered, run_distributed
 from launch_helpers import stable_metrics
@@ -33,6 +34,7 @@ BASE = ["experiment=smoke", "model.dtype=float32", "rollout=hf", "logging.plot_a
         "task.reward=rewards_for_tests:digit_fraction", "rollout_correction=token_tis", "checkpoint.export_at_end=true"]
 SPLIT = ["pipeline.mode=split", "pipeline.rollout_ranks=2"]
 ETA2 = [*SPLIT, "pipeline.max_staleness=2", "run.steps=6"]
+INFLIGHT = [*SPLIT, "pipeline.apply=inflight", "pipeline.max_staleness=1", "run.steps=5"]
 REFERENCE = [("sync_ref", "sync_ref", ["run.steps=3"], None)]
 CASES = [  # (name, folder, overrides, fault: (rank, step, what) in a rank's generation)
     ("split_eta0", "split_eta0", [*SPLIT, "run.steps=3"], None),
@@ -40,6 +42,9 @@ CASES = [  # (name, folder, overrides, fault: (rank, step, what) in a rank's gen
     ("eta2_straight", "eta2_straight", ETA2, None),
     ("eta2_first_half", "eta2_cut", ETA2, (3, 3, "signal")),  # seen where step 3 trains: stops after it
     ("eta2_continued", "eta2_cut", [*ETA2, "checkpoint.resume=force"], None),
+    ("inflight", "inflight", INFLIGHT, (0, 3, "delays")),  # every rollout rank slow, trainer 0 late at step 3
+    ("inflight_first_half", "inflight_cut", INFLIGHT, (3, 3, "signal_from")),
+    ("inflight_continued", "inflight_cut", [*INFLIGHT, "checkpoint.resume=force"], None),
     ("rollout_raises", "rollout_raises", [*SPLIT, "run.steps=2"], (2, 2, "raise")),
     ("too_many_rollout_ranks", "refused", ["pipeline.mode=split", "pipeline.rollout_ranks=4"], None),
     ("uneven_prompts", "refused", ["pipeline.mode=split", "pipeline.rollout_ranks=3"], None),
@@ -60,12 +65,52 @@ class FaultInGeneration:
         os.kill(os.getpid(), signal.SIGKILL if self.what == "kill" else signal.SIGTERM)
 
 
+class Delays:
+    """Injected delays: every engine step of a rollout rank (apply=inflight steps the engine itself) 20 ms
+    slower, and one trainer 1 s late at one step's update."""
+
+    def __init__(self, step: int, trainer: bool):
+        self.step, self.trainer = step, trainer
+
+    def on_phase_end(self, phase: str, step: int, seconds: float) -> None:
+        if phase == "engine_step" and not self.trainer:
+            time.sleep(0.02)
+
+    def on_batch(self, step: int, batch):
+        if self.trainer and step == self.step:
+            time.sleep(1.0)
+        return batch
+
+
+class SignalFrom:
+    """SIGTERM to this rank once, in its first engine step for step `step` or a later one (which target is
+    the earliest still running when apply=inflight depends on timing)."""
+
+    def __init__(self, step: int):
+        self.step, self.sent = step, False
+
+    def on_phase_end(self, phase: str, step: int, seconds: float) -> None:
+        if phase == "engine_step" and step >= self.step and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _observers(rank: int, fault) -> list:
+    if not fault:
+        return []
+    if fault[2] == "delays":
+        return [Delays(fault[1], trainer=rank == fault[0])] if rank == fault[0] or rank >= 2 else []
+    if fault[0] != rank:
+        return []
+    return [SignalFrom(fault[1])] if fault[2] == "signal_from" else [FaultInGeneration(fault[1], fault[2])]
+
+
 def _run_one(rank: int, overrides: list[str], out: Path, fault) -> dict:
     from distflow.config import ConfigError
     from distflow.errors import RunAborted
     from distflow.job import build_job
 
-    observers = [FaultInGeneration(fault[1], fault[2])] if fault and fault[0] == rank else []
+    observers = _observers(rank, fault)
     try:
         job = build_job(compose([*BASE, *overrides, f"run.output_dir={out}"]), observers)
     except ConfigError as e:
@@ -104,6 +149,8 @@ def _worker(rank, world, tmp, cases):
             saved = out / "checkpoints" / "step_000003" / "rank_0.json"
             state = json.loads(saved.read_text()) if saved.is_file() else {}
             result["inbox"] = sorted(state.get("pipeline", {}).get("inbox", []))
+            result["saved"] = {p.parent.name: json.loads(p.read_text()).get("pipeline")  # each checkpoint's
+                               for p in sorted((out / "checkpoints").glob("step_*/rank_0.json"))}
         results[name] = result
     return results
 
@@ -178,6 +225,37 @@ def test_a_run_resumed_on_fewer_trainers_trains_the_groups_in_flight_once(runs):
         assert r["reward/mean"] == pytest.approx(s["reward/mean"], rel=1e-6), (r, s)
     assert all(r["staleness/mean"] == r["staleness/max"] == 2 and r["grad_norm"] > 0 for r in rows), rows
     assert rows[2]["rollout_corr/lag2/tokens"] < straight[5]["rollout_corr/lag2/tokens"]  # half the prompts
+
+
+def test_inflight_versions_keep_every_token_within_the_bound_under_delays(runs):
+    """apply=inflight with every rollout rank's engine steps slowed and a trainer late at step 3: versions
+    are applied while samples run (their tokens re-prefilled), and no trained token is older than
+    s - 1 - eta (the trainers check it on every step, and stop with a line where it fails)."""
+    rows = _rows(runs, "inflight", 5)
+    for row in rows:
+        assert 0 <= row["staleness/mean"] <= row["staleness/max"] <= min(row["step"] - 1, 1), row
+        assert row["grad_norm"] > 0 and 0 <= row["rollout/idle_ratio"] <= 1, row
+    assert sum(r["partial/reprefill_tokens"] for r in rows) > 0, rows
+    # the bound is reached: a check with eta lowered to 0 stops at a step whose oldest token is 1 version old
+    lines = [bound_problem(r["step"], r["step"] - 1 - int(r["staleness/max"]), 0) for r in rows]
+    assert any(line and "older than step - 1 - pipeline.max_staleness" in line for line in lines), rows
+    assert runs["inflight"]["saved"]["step_000005"]["cursors"]["2"]["offset"] == 5 * 4  # 4 prompts a step
+
+
+def test_an_inflight_run_stopped_by_a_signal_resumes_without_losing_or_repeating_a_position(runs):
+    """SIGTERM to a rollout rank while it generates step 3 or later: every rank stops after the step the
+    trainers see it at (c), with the groups of step c + 1 in the checkpoint and the data cursor just
+    after them; the resumed run draws from there, so the last cursor is the straight run's."""
+    first = runs["inflight_first_half"]
+    assert [r["outcome"] for r in first["ranks"]] == ["stopped"] * 4
+    stop = first["rows"][-1]["step"]
+    assert stop in (3, 4), first["rows"]
+    saved = first["saved"][f"step_{stop:06d}"]
+    assert sorted(saved["inbox"]) == [str(stop + 1)]
+    assert {c["offset"] for c in saved["cursors"].values()} == {(stop + 1) * 4}
+    rows = _rows(runs, "inflight_continued", 5)
+    assert all(r["staleness/max"] <= 1 and r["grad_norm"] > 0 for r in rows), rows
+    assert {c["offset"] for c in runs["inflight_continued"]["saved"]["step_000005"]["cursors"].values()} == {5 * 4}
 
 
 def test_a_rollout_rank_that_raises_stops_every_rank_with_its_line(runs):

@@ -457,6 +457,16 @@ FAULTS: list[Fault] = [
           (E + "pipeline.rollout_ranks=2 needs pipeline.mode=split",),
           "nothing was started", "Add `pipeline.mode=split`, or drop the key.",
           _config({"pipeline": {"rollout_ranks": 2}})),
+    Fault("config-inflight-not-split", "config", "`pipeline.apply=inflight` outside a split run",
+          (E + "pipeline.apply=inflight needs pipeline.mode=split (the rollout ranks apply the versions)",),
+          "nothing was started", "Add `pipeline=split`, or drop the key.",
+          _config({"pipeline": {"apply": "inflight"}})),
+    Fault("config-inflight-dynamic-sampling", "config", "`pipeline.apply=inflight` with DAPO's dynamic sampling",
+          (E + "pipeline.apply=inflight does not run dynamic sampling (algorithm.dynamic_sampling) yet: use "
+               "pipeline.apply=staged",),
+          "nothing was started", "Use `pipeline.apply=staged` (the default), which runs it on the rollout ranks.",
+          _config({"pipeline": {"mode": "split", "rollout_ranks": 1, "apply": "inflight"},
+                   "algorithm": {"dynamic_sampling": True}})),
     Fault("config-split-validation", "config", "held-out validation in a split run",
           (E + "pipeline.mode=split does not run held-out validation (validation.*) yet: use pipeline.mode=sync or "
                "carryover",),

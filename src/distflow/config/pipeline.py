@@ -30,6 +30,11 @@ class PipelineConfig:
     max_staleness: int = knob(0, "eta: a group admitted at step a trains by step a + eta; every trained token comes "
                                  "from version >= step - 1 - eta. 0 is the synchronous schedule; > 0 needs a "
                                  "correction for the older tokens (algorithm.rollout_correction).")
+    apply: Literal["staged", "inflight"] = knob(
+        "staged", "split: when a rollout rank applies a version. staged: version s - 1 - eta where step s's groups "
+                  "start (reproducible; targets one after another). inflight: each version between two engine steps "
+                  "as soon as it arrives, the running samples re-prefilled under it (fresher, every token tagged "
+                  "with its version; not reproducible), with the groups of up to eta + 1 steps in the engine at once.")
     max_concurrency: Optional[int] = knob(None, "Samples running in the engine at once (carryover; a group's "
                                                 "samples count alike); null: every admitted group at once.")
 
@@ -44,6 +49,8 @@ class PipelineConfig:
             (self.mode != "split" or self.rollout_ranks >= 1,
              f"pipeline.mode=split needs pipeline.rollout_ranks >= 1 (the ranks that generate), got "
              f"{self.rollout_ranks}"),
+            (self.mode == "split" or self.apply == "staged",
+             f"pipeline.apply={self.apply} needs pipeline.mode=split (the rollout ranks apply the versions)"),
             (self.max_concurrency is None or self.max_concurrency >= 1,
              f"pipeline.max_concurrency must be >= 1 (or null), got {self.max_concurrency}"),
         ]

@@ -138,7 +138,10 @@ def _split_rules(cfg: DistflowConfig) -> list[tuple[bool, str]]:
         (cfg.rollout.tensor_parallel_size > 1, "rollout.tensor_parallel_size > 1"),
     ]
     return [(not bool(used), f"pipeline.mode=split does not run {what} yet: use pipeline.mode=sync or carryover")
-            for used, what in unsupported]
+            for used, what in unsupported] + [
+        (cfg.pipeline.apply == "staged" or not cfg.algorithm.dynamic_sampling,
+         "pipeline.apply=inflight does not run dynamic sampling (algorithm.dynamic_sampling) yet: use "
+         "pipeline.apply=staged")]
 
 
 def config_record(cfg: DistflowConfig, auto: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -79,7 +79,7 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
     if stale:
         sums.update(carryover_sums(ages, stats.pipeline))
     if cfg.pipeline.mode == "split":  # each trainer has its rollout set's seconds: summed, every rollout rank once
-        sums.update({k: stats.pipeline.get(k, 0.0) for k in ("rollout_wall_s", "rollout_generate_s")})
+        sums.update({k: stats.pipeline.get(k, 0.0) for k in SPLIT_SUMS})
     timing = with_compute(timing)
     maxima = {f"timing/{k}_s": v for k, v in timing.items()}
     maxima.update({"timing/slowest_rank": slowest_rank_code(timing["compute"]),
@@ -158,6 +158,8 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
                     **({f"partial/{k}": g[f"partial/{k}"] for k in PARTIAL_KEYS} if carryover else {})})
     if cfg.pipeline.mode == "split":  # the rollout ranks' time not spent generating (waiting for weights, sending)
         out["rollout/idle_ratio"] = 1.0 - g["rollout_generate_s"] / max(g["rollout_wall_s"], 1e-9)
+        if cfg.pipeline.apply == "inflight":  # prompts and responses prefilled again under a version applied
+            out["partial/reprefill_tokens"] = g["rollout_reprefill_tokens"]
     if a.dynamic_sampling:
         out["dynamic_sampling/kept_groups"] = g["kept_groups"]
         out["dynamic_sampling/generated_groups"] = g["generated_groups"]
@@ -167,6 +169,7 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
 
 
 PARTIAL_KEYS = ("carried_groups", "carried_tokens", "reprefill_tokens", "forced_groups")
+SPLIT_SUMS = ("rollout_wall_s", "rollout_generate_s", "rollout_reprefill_tokens")  # from the rollout ranks' stats
 
 
 def token_ages(step: int, samples: list) -> list[int]:

@@ -80,11 +80,15 @@ class RolloutRank:
                     return
         except RunAborted:
             raise
-        except Exception as e:  # the trainers stop with this rank's line instead of waiting out the deadline
-            line = f"rank {self.rank} raised {type(e).__name__}: {' '.join(str(e).split())}; " \
-                   f"stopped generating step {self.target}"
-            self.links.abort(self.trainers, line)
+        except Exception as e:
+            self.abort_trainers(e)
             raise
+
+    def abort_trainers(self, e: Exception) -> None:
+        """Forward this rank's error: the trainers stop with its line instead of waiting out the deadline."""
+        line = f"rank {self.rank} raised {type(e).__name__}: {' '.join(str(e).split())}; " \
+               f"stopped generating step {self.target}"
+        self.links.abort(self.trainers, line)
 
     def resume(self) -> None:
         """The version the trainers resumed with, this rank's data cursor and its first target."""
@@ -99,7 +103,10 @@ class RolloutRank:
         may also come alone: the trainers stopped before their first step)."""
         while (message := received(self.receiver.announce()))["kind"] == "weights":
             self.apply(message)
-        control = message
+        return self.goes_on(message)
+
+    def goes_on(self, control: dict) -> bool:
+        """Whether the run goes on after a control message (else it stopped there: a signal, saved)."""
         if control["halt"]:
             self.stopped = Stopped(control["step"], None, self.stop_signal.name or "a signal to another rank")
             log.warning(f"{self.stopped.signal}: the trainers stopped after step {control['step']}; "
@@ -113,10 +120,14 @@ class RolloutRank:
                 self.rollout.load_weights(self.receiver.tensors(announce), announce["version"])
         self.version = announce["version"]
 
-    def send(self, target: int, kept: Rollouts, first: int, generate_s: float) -> None:
+    def send(self, target: int, kept: Rollouts, first: int, generate_s: float, cursor: dict | None = None,
+             reprefill_tokens: int = 0) -> None:
         """Each trainer its groups of `target` (whose stream positions start at `first`); its publisher
-        also this rank's counts, its data cursor, and the seconds since the previous send with the
-        part of them it generated (the rest it waited for weights or sent: `rollout/idle_ratio`)."""
+        also this rank's counts, its data cursor (`cursor`: the sampler's just after it drew `target`'s
+        positions; None: now), and the seconds since the previous send with the part of them it
+        generated (the rest it waited for weights or sent: `rollout/idle_ratio`), and the tokens it
+        prefilled again after applying versions in flight (distflow.pipeline.inflight)."""
+        cursor = self.rollout.sampler.state_dict() if cursor is None else cursor
         g = self.cfg.algorithm.group_size
         shares: dict[int, list] = {t: [] for t in self.trainers}
         for i in range(len(kept.items)):
@@ -125,14 +136,15 @@ class RolloutRank:
             shares[self.roles.trainer_of(samples[0].position, first)].append((samples[0].position, samples, rewards))
         now = time.perf_counter()
         stats = {"generated_groups": kept.stats.generated_groups, "reward_failures": kept.stats.reward_failures,
-                 "wall_s": now - self.sent_at, "generate_s": generate_s}
+                 "wall_s": now - self.sent_at, "generate_s": generate_s,
+                 "reprefill_tokens": float(reprefill_tokens)}
         signal = self.stop_signal.name is not None
         for t in self.trainers:
             mine = t == self.publisher
             self.links.send(t, {"kind": "groups", "target": target, "first": first, "groups": shares[t],
                                 "rounds": kept.stats.rounds,
                                 "stats": stats if mine else None,
-                                "cursor": self.rollout.sampler.state_dict() if mine else None, "signal": signal})
+                                "cursor": cursor if mine else None, "signal": signal})
         self.sent_at = now
 
     def close(self) -> None:

@@ -77,6 +77,10 @@ class HFEngine:
     def pending(self) -> int:
         return len(self._queued) + len(self._running)
 
+    def running_samples(self) -> int:
+        """Samples the next step decodes: one batch row each (a benchmark's emulated engine time)."""
+        return len(self._rows) + sum(r.n for r in self._queued.values())
+
     @torch.no_grad()
     def step(self) -> list[tuple[str, list[Sample]]]:
         if self._queued:

@@ -1,0 +1,259 @@
+"""pipeline.apply=inflight: a rollout rank whose engine runs the groups of several steps at once and
+applies each version as soon as it arrives.
+
+The staged rank (distflow.pipeline.rollout_rank) generates one target at a time and applies a version
+only where a target starts, so its engine drains at the end of every target (the step's longest
+sequence) and waits there for the weights. Here the groups of every admissible target run in the
+engine together: target s is admitted once the engine holds version >= s - 1 - eta (the bound), and
+sent once all its groups have finished, targets in order (a step's groups all train at that step).
+A thread (`StagedVersions`) receives the announces and joins the weight broadcasts as they come,
+into tensors of their own, so the trainer never waits for an engine step; between two engine steps
+the loop takes the newest version received, aborts what runs (tokens, logprobs and their versions
+kept), loads it and re-prefills every unfinished sample under it, each continuation seeded by its
+position, index and cut count as carry-over's are. So every token carries the version that
+generated it, none trained at step s is older than s - 1 - eta or newer than s - 1 (version s exists
+only once step s has trained), and which tokens come from which version depends on timing: two runs
+differ, and eta = 0 is not the sync run.
+
+Checkpoints and signals are those of the staged mode: each target's message carries the data cursor
+as it was right after the target's positions were drawn, so a checkpoint after step c (targets up to
+c + eta, sent already) resumes before target c + eta + 1, which a stopping rank drops unsent and the
+resumed run draws again.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from distflow.errors import RunAborted
+from distflow.pipeline.links import PeerSilent
+from distflow.pipeline.remote import received
+from distflow.pipeline.rollout_rank import RolloutRank
+from distflow.pipeline.schedule import engine_version
+from distflow.pipeline.weights import WeightReceiver
+from distflow.rollout.base import Request
+from distflow.rollout.driver import continued
+from distflow.rollout.groups import Rollouts
+from distflow.rollout.schedule import sample_done
+from distflow.sample import Sample
+from distflow.seeds import sample_seed
+
+log = logging.getLogger("distflow")
+
+
+class StagedVersions:
+    """This rank's trainer's announces, received by a thread as they come: a version's weights into
+    tensors of their own (the bucket broadcasts joined at once), a control as it is. The loop polls
+    them between engine steps, or waits for the next one when it has nothing to generate."""
+
+    def __init__(self, receiver: WeightReceiver, steps: int, timeout_s: float):
+        self.receiver, self.steps, self.timeout_s = receiver, steps, timeout_s
+        self.queue: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._receive, name="distflow-versions", daemon=True)
+        self.thread.start()
+
+    def _receive(self) -> None:
+        try:
+            while True:
+                message = self.receiver.announce()
+                if message.get("kind") == "weights":
+                    self.queue.put((message, list(self.receiver.tensors(message))
+                                    if message["bucket"] is not None else None))
+                    continue
+                self.queue.put((message, None))
+                if message.get("kind") != "control" or message["halt"] or message["step"] >= self.steps:
+                    return  # an abort line, a stop, or the run's last step: nothing follows
+        except BaseException as e:  # the loop raises it where it polls (a silent trainer: PeerSilent)
+            self.queue.put((e, None))
+
+    def poll(self) -> list[tuple[dict, list | None]]:
+        """What arrived since the last poll, in order (an abort or an error raises here)."""
+        out = []
+        while True:
+            try:
+                out.append(_checked(self.queue.get_nowait()))
+            except queue.Empty:
+                return out
+
+    def wait(self) -> tuple[dict, list | None]:
+        """The next message (the thread's own waits end at the run's deadline with PeerSilent)."""
+        try:
+            return _checked(self.queue.get(timeout=self.timeout_s + 60.0))
+        except queue.Empty:
+            raise PeerSilent(f"no announce arrived within {self.timeout_s:g} s (run.collective_timeout_s) and its "
+                             "receiving thread is stuck; stopping") from None
+
+    def close(self) -> None:
+        self.thread.join(timeout=5.0)
+
+
+def _checked(item: tuple) -> tuple[dict, list | None]:
+    message, tensors = item
+    if isinstance(message, BaseException):
+        raise message
+    return received(message), tensors
+
+
+@dataclass
+class _Group:
+    target: int
+    position: int
+    samples: list[Sample | None]  # None: still running
+    before: list[Sample | None]  # each sample as far as it got before its last cut (None: never cut)
+    requests: dict[str, list[int]]  # request id -> the sample indices it generates
+    cuts: int = 0
+
+
+class InflightGroups:
+    """The groups in the engine, of every admitted target: stepped together, cut where a version is
+    applied and continued under it (`recompute`)."""
+
+    def __init__(self, engine, seed: int, group_size: int, budget: int):
+        self.engine, self.seed, self.group_size, self.budget = engine, seed, group_size, budget
+        self.groups: dict[int, _Group] = {}  # position -> group
+        self.owner: dict[str, int] = {}  # running request id -> its group's position
+        self.reprefilled = 0  # tokens prefilled again after versions were applied
+
+    def admit(self, target: int, positions: list[int], prompts: list[list[int]]) -> None:
+        """A target's groups, G samples of each prompt as one request seeded by its position (as sync seeds it)."""
+        g = self.group_size
+        for position, prompt in zip(positions, prompts):
+            rid = str(position)
+            self.groups[position] = _Group(target, position, [None] * g, [None] * g, {rid: list(range(g))})
+            self._submit(Request(rid, list(prompt), g, sample_seed(self.seed, position)), position)
+
+    def _submit(self, request: Request, position: int) -> None:
+        self.owner[request.request_id] = position
+        self.engine.submit(request)
+
+    def running(self) -> bool:
+        return bool(self.owner)
+
+    def step(self) -> None:
+        for rid, samples in self.engine.step():
+            self._collect(rid, samples)
+
+    def _collect(self, rid: str, samples: list[Sample]) -> None:
+        group = self.groups[self.owner.pop(rid)]
+        for k, s in zip(group.requests.pop(rid), samples):
+            group.samples[k] = continued(group.before[k], s, group.position)
+
+    def recompute(self, load: Callable[[], None]) -> None:
+        """Abort what runs (keeping its tokens), `load` a version, and continue every unfinished sample
+        under it: prompt and response so far re-prefilled, the rest of its token budget to go."""
+        for rid, samples in self.engine.abort(list(self.owner)).items():
+            self._collect(rid, samples)
+        load()
+        for group in sorted(self.groups.values(), key=lambda x: x.position):
+            cut = [k for k, s in enumerate(group.samples) if not sample_done(s, self.budget)]
+            if cut:
+                group.cuts += 1
+            for k in cut:
+                s = group.before[k] = group.samples[k]
+                group.samples[k], rid = None, f"{group.position}.{k}.{group.cuts}"
+                group.requests[rid] = [k]
+                self._submit(Request(rid, s.prompt_ids + s.response_ids, 1,
+                                     sample_seed(self.seed, group.position, k, group.cuts),
+                                     max_tokens=self.budget - len(s.response_ids)), group.position)
+                self.reprefilled += len(s.prompt_ids) + len(s.response_ids)
+
+    def done(self, target: int) -> bool:
+        return all(s is not None for g in self.groups.values() if g.target == target for s in g.samples)
+
+    def take(self, target: int) -> tuple[list[int], list[Sample]]:
+        """A finished target's positions and samples (group-major), in position order."""
+        mine = sorted(p for p, g in self.groups.items() if g.target == target)
+        return mine, [s for p in mine for s in self.groups.pop(p).samples]
+
+    def drop(self) -> None:
+        """Abort everything (the run stops: these targets are drawn again after a resume)."""
+        self.engine.abort(list(self.owner))
+        self.groups, self.owner = {}, {}
+
+
+class InflightRolloutRank(RolloutRank):
+    """A rollout rank of a split run with pipeline.apply=inflight (see the module docstring)."""
+
+    def train(self) -> None:
+        cfg = self.cfg
+        eta, steps, engine = cfg.pipeline.max_staleness, cfg.run.steps, self.rollout.engine
+        self.versions = StagedVersions(self.receiver, steps, cfg.run.collective_timeout_s)
+        self.live = InflightGroups(engine, cfg.run.seed, cfg.algorithm.group_size, cfg.rollout.max_new_tokens)
+        self.ended = False
+        try:
+            if self.run.resume.checkpoint is not None:
+                first, tensors = self.versions.wait()
+                self.take([(first, tensors)])
+                self.rollout.sampler.load_state_dict(first["cursor"])
+                self.target = first["next"]
+                log.info(f"resumed at version {self.version}: generating from step {self.target}")
+            admitted, drawn, busy = self.target, {}, 0.0  # drawn: target -> (its first position, the cursor after it)
+            self.timer.new_step(self.target)
+            while True:
+                if not self.take(self.versions.poll()):
+                    return
+                while admitted <= steps and engine.version >= engine_version(admitted, eta):
+                    drawn[admitted] = self.admit(admitted)
+                    admitted += 1
+                while self.target < admitted and self.live.done(self.target):
+                    positions, samples = self.live.take(self.target)
+                    items = [self.rollout.items[self.rollout.sampler.item(p)] for p in positions]
+                    kept = Rollouts(cfg.algorithm.group_size, items, samples)
+                    kept.stats.rounds, kept.stats.generated_groups = 1, len(items)
+                    first, cursor = drawn.pop(self.target)
+                    self.send(self.target, kept, first, busy, cursor, self.live.reprefilled)
+                    self.live.reprefilled, busy = 0, 0.0
+                    self.target += 1
+                    self.timer.new_step(self.target)
+                if self.live.running():
+                    start = time.perf_counter()
+                    with self.timer.phase("engine_step"):
+                        self.live.step()
+                    busy += time.perf_counter() - start
+                elif self.ended:
+                    return
+                elif not self.take([self.versions.wait()]):
+                    return
+        except RunAborted:
+            raise
+        except Exception as e:
+            self.abort_trainers(e)
+            raise
+
+    def admit(self, target: int) -> tuple[int, dict]:
+        """Draw `target`'s positions and start its groups; its first position and the cursor after it."""
+        sampler = self.rollout.sampler
+        first = sampler.state_dict()["offset"]
+        positions = sampler.next_positions(self.rollout.per_rank)
+        prompts = [list(self.rollout.items[sampler.item(p)].prompt_ids) for p in positions]
+        self.live.admit(target, positions, prompts)
+        return first, sampler.state_dict()
+
+    def take(self, messages: list[tuple[dict, list | None]]) -> bool:
+        """Versions and controls that arrived: the newest weights applied (what runs is cut and continued
+        under them), the controls noted; False when the run stops here."""
+        newest = None
+        for message, tensors in messages:
+            if message["kind"] == "weights":
+                self.version = max(self.version, message["version"])
+                newest = (message["version"], tensors) if tensors is not None else newest
+            elif not self.goes_on(message):
+                self.live.drop()
+                return False
+            else:
+                self.ended = message["step"] >= self.cfg.run.steps
+        if newest is not None:
+            version, tensors = newest
+            with self.timer.phase("receive"):
+                self.live.recompute(lambda: self.rollout.load_weights(tensors, version))
+        return True
+
+    def close(self) -> None:
+        if hasattr(self, "versions"):
+            self.versions.close()
+        super().close()

@@ -1,0 +1,85 @@
+"""The groups an inflight rollout rank keeps in its engine (distflow.pipeline.inflight.InflightGroups),
+on a real step-wise HF engine (tiny model, fp32, in-process): without a version applied they sample
+the tokens the blocking generate samples for the same positions; a version applied while they run
+cuts every unfinished sample and continues it under the new weights, so each token carries the version
+whose model gives its logprob; targets finish and are taken in position order, each position once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from carry_helpers import carry_config, item, key
+from distflow.pipeline.inflight import InflightGroups
+from distflow.rollout.hf_engine import HFEngine
+from distflow.seeds import sample_seed
+
+G, BUDGET, SEED = 2, 24, 0
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir) -> HFEngine:
+    cfg = carry_config(0)
+    return HFEngine(tiny_model_dir, cfg.model, cfg.rollout, torch.device("cpu"))
+
+
+def _admit(live: InflightGroups, target: int, positions: list[int]) -> None:
+    live.admit(target, positions, [item(p).prompt_ids for p in positions])
+
+
+def _finish(live: InflightGroups) -> None:
+    while live.running():
+        live.step()
+
+
+def test_without_a_version_applied_the_groups_are_what_generate_samples(engine):
+    engine.version = 0
+    live = InflightGroups(engine, SEED, G, BUDGET)
+    _admit(live, 1, [0, 2])
+    _admit(live, 2, [4, 6])  # two targets in the engine together
+    _finish(live)
+    assert live.done(1) and live.done(2)
+    positions, samples = live.take(2)
+    assert positions == [4, 6] and [s.position for s in samples] == [4, 4, 6, 6]
+    expected = engine.generate([item(p).prompt_ids for p in positions], G, [sample_seed(SEED, p) for p in positions])
+    expected = [s for group in expected for s in group]
+    # the same tokens; the logprobs to float noise (the engine's batch held other groups' rows besides)
+    assert [k[:2] + k[3:] for k in key(samples)] == [k[:2] + k[3:] for k in key(expected)]
+    for s, e in zip(samples, expected):
+        torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(e.logprobs), atol=1e-5, rtol=0)
+    assert live.take(1)[0] == [0, 2] and not live.groups and live.reprefilled == 0
+
+
+def test_a_version_applied_while_samples_run_continues_them_under_it(engine):
+    original = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    gen = torch.Generator().manual_seed(3)
+    moved = {n: p + 0.05 * torch.randn(p.shape, generator=gen) for n, p in original.items()}
+
+    def model_logprobs(weights, s):
+        engine.load_weights(iter(weights.items()), engine.version)
+        return engine.prompt_logprobs([s.prompt_ids + s.response_ids])[0][len(s.prompt_ids) - 1:]
+
+    engine.version = 0
+    try:
+        live = InflightGroups(engine, SEED, G, BUDGET)
+        _admit(live, 1, [1, 3])
+        for _ in range(3):
+            live.step()
+        assert live.running() and not live.done(1)
+        live.recompute(lambda: engine.load_weights(iter(moved.items()), 1))
+        assert engine.version == 1 and live.reprefilled > 0
+        _admit(live, 2, [5])  # admitted under version 1: all its tokens are version 1's
+        _finish(live)
+        positions, samples = live.take(1)
+        assert positions == [1, 3] and all(len(s.response_ids) == len(s.logprobs) == len(s.versions) for s in samples)
+        for s in samples:
+            cut = s.versions.index(1)
+            assert cut == 3 and set(s.versions[:cut]) == {0} and set(s.versions[cut:]) == {1}, s.versions
+            before, after = model_logprobs(original, s)[:cut], model_logprobs(moved, s)[cut:]
+            torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(before + after), atol=1e-5, rtol=0)
+        assert {v for s in live.take(2)[1] for v in s.versions} == {1}
+        live.drop()
+        assert engine.pending() == 0
+    finally:
+        engine.load_weights(iter(original.items()), 0)
