@@ -1,9 +1,10 @@
-"""Role-split ranks against sync on the same ranks: trained samples per second of sync and split eta = 0, 1, 2.
+"""Role-split ranks against sync on the same ranks: trained samples per second of sync, split eta = 0, 1, 2
+(the staged schedule) and split eta = 2 with versions applied in flight (pipeline.apply=inflight).
 
 Every mode runs the real loop on W ranks (default 4; split: W/2 trainers + W/2 rollout ranks) and
 trains the same global batch per step (split: data.prompts_per_rank x W / T per trainer). Modes run as
-separate launches, alternated over --repeats (sync, split0, split1, split2, sync, ...); each mode's
-first --warmup steps are left out.
+separate launches, alternated over --repeats (sync, split0, split1, split2, inflight2, sync, ...; --smoke
+leaves split1 out); each mode's first --warmup steps are left out.
 
 `--engine-time tau0,tau1` pads every generate call to a GPU-like duration by sleeping after it (an
 observer of the run, distflow.metrics.timer): tau0 x L + tau1 x b x L seconds for b sequences of L
@@ -16,7 +17,7 @@ Per mode: step, generate (the generating ranks'), update and publish seconds, th
 collectives and for the step's groups (timing/recv_wait_s), the rollout ranks' idle ratio
 (rollout/idle_ratio), staleness mean/max, trained samples/s and its ratio vs sync, and the model's ratio
 from the measured parts: sync S = T_batch(W) + t, split eta = 0: T_batch(R) + t + r, eta >= 1:
-max(T_batch(R), t + r), t the trainers' own step time (sync's step - generate), r the publish, T_batch(R)
+max(T_batch(R), t + r) (inflight too), t the trainers' own step time (sync's step - generate), r the publish, T_batch(R)
 the emulated time plus sync's real generate time scaled by the sequences per rank.
 
     .venv/bin/python bench/pipeline.py --engine-time 0.02,0.0005
@@ -32,20 +33,33 @@ import sys
 import time
 from pathlib import Path
 
-MODES = ("sync", "split0", "split1", "split2")
+MODES = ("sync", "split0", "split1", "split2", "inflight2")
+SMOKE_MODES = ("sync", "split0", "split2", "inflight2")  # split1 runs split2's code
 
 
 class EngineTime:
-    """Pads each generate call of this rank to tau0 L + tau1 b L seconds by sleeping after it."""
+    """Pads each generate call of this rank to tau0 L + tau1 b L seconds by sleeping after it, and each
+    engine step of an inflight rollout rank (which steps its engine itself) to tau0 + tau1 b, b the
+    samples it decoded (the hf engine's count; others: tau0 only)."""
 
     def __init__(self, tau0: float, tau1: float, length: int, group_size: int):
         self.tau0, self.tau1, self.length, self.group_size = tau0, tau1, length, group_size
         self.groups = 0  # groups per call: set once the job is built (its rollout's per_rank)
+        self.engine = None  # the rank's engine, for the samples an engine step decoded
+        self.decoding = 0
+
+    def on_phase_start(self, phase: str, step: int) -> None:
+        if phase == "engine_step":
+            self.decoding = getattr(self.engine, "running_samples", lambda: 0)()
 
     def on_phase_end(self, phase: str, step: int, seconds: float) -> None:
-        if phase == "generate" and self.tau0 + self.tau1 > 0:
+        if self.tau0 + self.tau1 <= 0:
+            return
+        if phase == "generate":
             b = self.groups * self.group_size
             time.sleep(max(0.0, self.tau0 * self.length + self.tau1 * b * self.length))
+        elif phase == "engine_step":
+            time.sleep(self.tau0 + self.tau1 * self.decoding)
 
 
 def worker(a) -> None:
@@ -59,7 +73,7 @@ def worker(a) -> None:
     pad = EngineTime(tau0, tau1, a.max_new_tokens, a.group_size)
     job = build_job(compose(json.loads(a.overrides)), [pad])
     rollout = job.rollout.local if hasattr(job.rollout, "local") else job.rollout  # a split trainer's own
-    pad.groups = rollout.per_rank
+    pad.groups, pad.engine = rollout.per_rank, rollout.engine
     start = time.perf_counter()
     job.train()
     wall = time.perf_counter() - start
@@ -83,7 +97,7 @@ def summarise(results: dict[str, list[dict]], warmup: int, tau: tuple[float, flo
     real_gen, sync_step = mean(sync, "timing/generate_s"), mean(sync, "timing/step_s")  # (the phase ends before the pad)
     sync_gen = real_gen + tau[0] * length + tau[1] * b_sync * length
     train = sync_step - sync_gen  # the trainers' own work per step (logprobs, update, resync)
-    for mode in MODES:
+    for mode in results:
         rows = [r for run in results[mode] for r in run["rows"][warmup:]]
         ranks = [x for run in results[mode] for x in run["ranks"]]
         samples = mean(rows, "samples_per_step")
@@ -139,16 +153,18 @@ def main() -> None:
     w, trainers = args.nproc, args.nproc // 2
     tau = tuple(map(float, args.engine_time.split(",")))
     wd = C.work_dir(args, "pipeline")
-    results: dict[str, list[dict]] = {m: [] for m in MODES}
+    modes = SMOKE_MODES if args.smoke else MODES
+    results: dict[str, list[dict]] = {m: [] for m in modes}
     print(f"[pipeline] {args.engine} {args.model} W={w} (split {trainers}+{w - trainers}) L={length} "
           f"{args.prompts_per_rank * w}x{args.group_size} per step, engine time {args.engine_time}", flush=True)
     for rep in range(repeats):
-        for mode in MODES:
+        for mode in modes:
             run_dir, out = wd / f"{mode}_{rep}" / "run", wd / f"{mode}_{rep}" / "ranks"
             C.fresh(run_dir, out)
             prompts = args.prompts_per_rank if mode == "sync" else args.prompts_per_rank * w // trainers
             extra = [] if mode == "sync" else ["pipeline.mode=split", f"pipeline.rollout_ranks={w - trainers}",
-                                                f"pipeline.max_staleness={mode[-1]}"]
+                                                f"pipeline.max_staleness={mode[-1]}"] + \
+                (["pipeline.apply=inflight"] if mode.startswith("inflight") else [])
             overrides = C.distflow_overrides(args.model, run_dir, steps, prompts, args.group_size, length, 1e-6,
                                              args.engine, ["rollout_correction=token_tis", "run.sync_probe_every=1000",
                                                            *extra, *args.set])
