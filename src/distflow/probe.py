@@ -36,19 +36,31 @@ def logprob_gaps(engine, policy, seqs: list[list[int]], pad_id: int, rows=None) 
     after a resync the two must agree (a wrong or partial resync shows up here). `rows`: the
     same sequences as a `TokenBatch` that scores all their tokens (`TokenBatch.whole`, the
     step's own rows, not padded again); padded from `seqs` when None."""
-    engine_lp = engine.prompt_logprobs(seqs)
+    return engine_gaps(engine, seqs, policy_logprobs(policy, seqs, pad_id, rows))
+
+
+@torch.no_grad()
+def policy_logprobs(policy, seqs: list[list[int]], pad_id: int, rows=None) -> list[torch.Tensor]:
+    """The policy's logprob of every token after the first of each of `seqs` (float32, on the CPU)."""
     if rows is None:
         rows = TokenBatch.from_samples([Sample(seq[:1], seq[1:], [], False) for seq in seqs], pad_id, policy.device)
     policy_lp = policy.logprobs(rows, 1.0)
-    return [(torch.tensor(lp) - policy_lp[i, : len(lp)].float().cpu()).abs() for i, lp in enumerate(engine_lp)]
+    return [policy_lp[i, : len(seq) - 1].float().cpu() for i, seq in enumerate(seqs)]
+
+
+def engine_gaps(engine, seqs: list[list[int]], policy_lp: list[torch.Tensor]) -> list[torch.Tensor]:
+    """|engine - policy| logprob per token of `seqs`, the policy's given (policy_logprobs): a rank
+    that holds the engine but not the policy (a split run's rollout rank) compares here."""
+    return [(torch.tensor(lp) - p).abs() for lp, p in zip(engine.prompt_logprobs(seqs), policy_lp)]
 
 
 def max_logprob_diff(engine, policy, seqs: list[list[int]], pad_id: int, rows=None) -> float:
     """Max |engine - policy| logprob of every token after the first of `seqs` (see logprob_gaps)."""
-    return _largest(logprob_gaps(engine, policy, seqs, pad_id, rows))
+    return largest_gap(logprob_gaps(engine, policy, seqs, pad_id, rows))
 
 
-def _largest(gaps: list[torch.Tensor]) -> float:
+def largest_gap(gaps: list[torch.Tensor]) -> float:
+    """The largest gap of any token (0 when none)."""
     diff = 0.0
     for gap in gaps:
         diff = max(diff, float(gap.max()))
@@ -110,7 +122,7 @@ class EngineProbe:
         over all ranks' tokens (NaN without; one more collective); past PROBE_LIMIT it stops the run
         (run.allow_engine_mismatch: warns). Collective."""
         gaps = logprob_gaps(self.engine, self.policy, seqs, self.pad_id, rows)
-        diff = float(all_reduce(_largest(gaps), op="max")[0])
+        diff = float(all_reduce(largest_gap(gaps), op="max")[0])
         average = float("nan")
         if mean:
             total, count = all_reduce([sum(float(g.sum()) for g in gaps), sum(g.numel() for g in gaps)]).tolist()

@@ -15,6 +15,7 @@ generate; tiny model, the hf engine), against sync runs on 2 ranks:
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -46,6 +47,9 @@ CASES = [  # (name, folder, overrides, fault: (rank, step, what) in a rank's gen
     ("inflight_first_half", "inflight_cut", INFLIGHT, (3, 3, "signal_from")),
     ("inflight_continued", "inflight_cut", [*INFLIGHT, "checkpoint.resume=force"], None),
     ("rollout_raises", "rollout_raises", [*SPLIT, "run.steps=2"], (2, 2, "raise")),
+    # trainer 0's version 1 leaves a tensor out: its rollout rank's engine probe fails at step 2
+    ("stale_resync", "stale_resync", [*SPLIT, "run.steps=3", "optim.lr=1e-2", "optim.warmup_steps=0",
+                                      "run.fault_inject=0:1:stale_resync"], None),
     ("too_many_rollout_ranks", "refused", ["pipeline.mode=split", "pipeline.rollout_ranks=4"], None),
     ("uneven_prompts", "refused", ["pipeline.mode=split", "pipeline.rollout_ranks=3"], None),
 ]
@@ -193,12 +197,17 @@ def test_eta_0_is_the_sync_run_on_the_trainers_count_bit_for_bit(runs):
     assert _same(_rows(runs, "sync_ref", 3), _rows(runs, "split_eta0", 3))
     assert runs["sync_ref"]["weights"] == runs["split_eta0"]["weights"] is not None
     assert all(r["staleness/max"] == 0 for r in runs["split_eta0"]["rows"])
+    # the probe of version s (the rollout ranks' engines against the policy) comes back with step s + 1
+    probes = [r["sync/max_abs_logprob_diff"] for r in runs["split_eta0"]["rows"]]
+    assert math.isnan(probes[0]) and all(0 <= d <= 1e-5 for d in probes[1:]), probes
 
 
 @pytest.mark.parametrize("name,eta,steps", [("dapo_eta1", 1, 3), ("eta2_straight", 2, 6)])
 def test_every_token_is_exactly_eta_versions_older_than_the_sync_runs(runs, name, eta, steps):
     for row in _rows(runs, name, steps):  # step s trains version max(0, s - 1 - eta): its staleness
         lag = min(row["step"] - 1, eta)
+        probe = row["sync/max_abs_logprob_diff"]  # version s - 1 - eta's, applied where step s's groups began
+        assert 0 <= probe <= 1e-5 if row["step"] >= 2 + eta else math.isnan(probe), row
         assert row["staleness/mean"] == row["staleness/max"] == lag, row
         assert row[f"rollout_corr/lag{lag}/tokens"] > 0 and row["grad_norm"] > 0, row
         # the rollout ranks' time not generating, and the trainers' wait for the step's groups
@@ -236,6 +245,8 @@ def test_inflight_versions_keep_every_token_within_the_bound_under_delays(runs):
         assert 0 <= row["staleness/mean"] <= row["staleness/max"] <= min(row["step"] - 1, 1), row
         assert row["grad_norm"] > 0 and 0 <= row["rollout/idle_ratio"] <= 1, row
     assert sum(r["partial/reprefill_tokens"] for r in rows) > 0, rows
+    probes = [r["sync/max_abs_logprob_diff"] for r in rows if not math.isnan(r["sync/max_abs_logprob_diff"])]
+    assert probes and all(0 <= d <= 1e-5 for d in probes), rows  # compared where the next version is applied
     # the bound is reached: a check with eta lowered to 0 stops at a step whose oldest token is 1 version old
     lines = [bound_problem(r["step"], r["step"] - 1 - int(r["staleness/max"]), 0) for r in rows]
     assert any(line and "older than step - 1 - pipeline.max_staleness" in line for line in lines), rows
@@ -262,6 +273,14 @@ def test_a_rollout_rank_that_raises_stops_every_rank_with_its_line(runs):
     line = "rank 2 raised RuntimeError: injected while generating step 2; stopped generating step 2"
     assert [r["outcome"] for r in runs["rollout_raises"]["ranks"]] == ["aborted"] * 4
     assert all(r["message"] == line for i, r in enumerate(runs["rollout_raises"]["ranks"]) if i != 2)
+
+
+def test_a_broken_resync_to_a_rollout_rank_stops_every_rank_with_the_probes_line(runs):
+    ranks = runs["stale_resync"]["ranks"]
+    assert [r["outcome"] for r in ranks] == ["aborted"] * 4, ranks
+    assert len({r["message"] for r in ranks}) == 1, ranks  # the trainers' line, forwarded to the rollout ranks
+    assert ranks[0]["message"].startswith("step 2, the rollout ranks' engines: the engine's logprobs differ from "
+                                          "the policy's by up to "), ranks[0]
 
 
 @pytest.mark.parametrize("name,line", [

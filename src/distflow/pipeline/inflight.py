@@ -249,8 +249,14 @@ class InflightRolloutRank(RolloutRank):
                 self.ended = message["step"] >= self.cfg.run.steps
         if newest is not None:
             version, tensors = newest
+
+            def load() -> None:  # nothing runs here: the probe compares the version held, or the one loaded
+                self.answer_probe()
+                self.rollout.load_weights(tensors, version)
+                self.answer_probe()
+
             with self.timer.phase("receive"):
-                self.live.recompute(lambda: self.rollout.load_weights(tensors, version))
+                self.live.recompute(load)
         return True
 
     def close(self) -> None:

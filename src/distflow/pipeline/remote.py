@@ -54,6 +54,8 @@ class RemoteRollout:
         self.resumed = False  # the first version after a resume carries the cursors back
         self.step = 0
         self.signalled = False  # a rollout rank got SIGTERM/SIGUSR1: the run saves and stops at this step's end
+        self.probe_out: dict | None = None  # a probed version's sequences and policy logprobs, for the next control
+        self.probe_in: float | None = None  # the largest engine/policy gap this trainer's rollout set sent back
         local.sleep()  # the rollout ranks generate: this engine only keeps vLLM's start-up symmetric
 
     @property
@@ -78,6 +80,8 @@ class RemoteRollout:
                 raise RunAborted(f"rank {src} sent the groups of step {m['target']} where step {target}'s were due")
             if src in self.rollout_set:
                 self.cursors[src] = m["cursor"]
+                if m.get("probe") is not None:
+                    self.probe_in = max(self.probe_in or 0.0, m["probe"])
             self.signalled |= m["signal"]
             messages.append(m)
         return messages
@@ -112,9 +116,11 @@ class RemoteRollout:
         self.publisher.publish(weights if weights_needed(version, self.eta, self.steps) else None, version, notes)
 
     def control(self, step: int, halt: bool) -> None:
-        """After the step boundary: whether the run stops here (a signal: saved, stopping)."""
+        """After the step boundary: whether the run stops here (a signal: saved, stopping), and a probed
+        version's sequences and policy logprobs (distflow.pipeline.split_trainer.RemoteProbe)."""
+        probe, self.probe_out = self.probe_out, None
         for dst in self.rollout_set:
-            self.links.send(dst, {"kind": "control", "step": step, "halt": halt})
+            self.links.send(dst, {"kind": "control", "step": step, "halt": halt, "probe": probe})
 
     def abort(self, line: str) -> None:
         """Forward this trainer's RunAborted to its rollout set, so they stop with its line."""

@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+
 from distflow.distributed import enter_scope, shutdown
 from distflow.distributed.roles import RoleGroups
 from distflow.errors import RunAborted
@@ -26,6 +28,7 @@ from distflow.pipeline.links import Links
 from distflow.pipeline.remote import received
 from distflow.pipeline.schedule import engine_version
 from distflow.pipeline.weights import WeightReceiver
+from distflow.probe import engine_gaps, largest_gap
 from distflow.rollout import Rollout
 from distflow.rollout.groups import Rollouts
 from distflow.run.preemption import Stopped, StopSignal
@@ -55,6 +58,8 @@ class RolloutRank:
         self.receiver = WeightReceiver(self.links, self.publisher, groups.weight_groups[self.publisher],
                                        run.dist.device, timeout)
         self.version, self.target = 0, 1
+        self.probe_wanted: dict | None = None  # a probed version's sequences and policy logprobs
+        self.probe_gap: float | None = None  # the largest gap measured since the last send
         self.stopped: Stopped | None = None
         self.sent_at = time.perf_counter()  # the end of the last send: each target's share of wall time starts there
 
@@ -103,16 +108,30 @@ class RolloutRank:
         may also come alone: the trainers stopped before their first step)."""
         while (message := received(self.receiver.announce()))["kind"] == "weights":
             self.apply(message)
-        return self.goes_on(message)
+        goes_on = self.goes_on(message)
+        self.answer_probe()  # the engine holds the control's version (if it came with weights), nothing runs
+        return goes_on
 
     def goes_on(self, control: dict) -> bool:
-        """Whether the run goes on after a control message (else it stopped there: a signal, saved)."""
+        """Whether the run goes on after a control message (else it stopped there: a signal, saved); a
+        probed version's sequences and policy logprobs wait for `answer_probe`."""
+        if control.get("probe") is not None:
+            self.probe_wanted = control["probe"]
         if control["halt"]:
             self.stopped = Stopped(control["step"], None, self.stop_signal.name or "a signal to another rank")
             log.warning(f"{self.stopped.signal}: the trainers stopped after step {control['step']}; "
                         "relaunch with the same run.output_dir to resume")
             return False
         return True
+
+    def answer_probe(self) -> None:
+        """The engine/policy gap on the probed version's sequences, if the engine holds that version (call
+        it with nothing running); it leaves with the next groups (distflow.pipeline.split_trainer.RemoteProbe)."""
+        wanted = self.probe_wanted
+        if wanted is None or self.rollout.engine.version != wanted["version"]:
+            return
+        gaps = engine_gaps(self.rollout, wanted["seqs"], [torch.tensor(lp) for lp in wanted["logprobs"]])
+        self.probe_gap, self.probe_wanted = max(self.probe_gap or 0.0, largest_gap(gaps)), None
 
     def apply(self, announce: dict) -> None:
         if announce["bucket"] is not None:
@@ -144,7 +163,9 @@ class RolloutRank:
             self.links.send(t, {"kind": "groups", "target": target, "first": first, "groups": shares[t],
                                 "rounds": kept.stats.rounds,
                                 "stats": stats if mine else None,
-                                "cursor": cursor if mine else None, "signal": signal})
+                                "cursor": cursor if mine else None, "signal": signal,
+                                "probe": self.probe_gap if mine else None})
+        self.probe_gap = None
         self.sent_at = now
 
     def close(self) -> None:

@@ -1,30 +1,53 @@
 """A trainer rank of a split run: the sync loop, with the rollout ranks' groups in and its weights out.
 
 The loop is distflow.trainer.Trainer's, unchanged: only what it is built from differs. Its rollout is
-a `RemoteRollout` (groups received, versions published), its engine probe is skipped (the engine that
-generates is on another rank), and the step boundary also tells the rollout set whether the run goes
-on; a RunAborted on a trainer reaches its rollout set as that line.
+a `RemoteRollout` (groups received, versions published), its engine probe is a `RemoteProbe` (the
+engine that generates is on another rank), and the step boundary also tells the rollout set whether
+the run goes on; a RunAborted on a trainer reaches its rollout set as that line.
 """
 
 from __future__ import annotations
 
-from distflow.distributed import enter_scope
+from distflow.distributed import all_reduce, enter_scope
 from distflow.distributed.roles import RoleGroups
 from distflow.errors import RunAborted
 from distflow.pipeline.remote import RemoteRollout
+from distflow.probe import mismatch_line, policy_logprobs
 from distflow.run.preemption import StopSignal
 from distflow.startup import Run
 from distflow.trainer import Trainer
 
 
-class SkippedProbe:
-    """The engine/policy probe of a split run: not taken (the trainers' engines hold no weights)."""
+class RemoteProbe:
+    """The engine/policy probe of a split run, taken where the engines are. After a probed step's update
+    (run.sync_probe_every) the step's first sequences and the policy's logprobs of them go to the
+    rollout set with the step's control; a rollout rank compares its engine's logprobs once its engine
+    holds that version with nothing running (where it applies the version, staged; where it applies the
+    next one, inflight) and sends the largest gap with its next groups. So step s reports the gap of an
+    earlier version (NaN when none came back: a version without weights, or the run's last ones), every
+    trainer the largest of any rollout rank's, and past PROBE_LIMIT every rank stops with its line."""
+
+    def __init__(self, remote: RemoteRollout, policy, cfg, pad_id: int):
+        self.remote, self.policy, self.cfg, self.pad_id = remote, policy, cfg, pad_id
 
     def at_start(self, items: list) -> float:
-        return 0.0
+        return 0.0  # the rollout ranks load the policy's checkpoint themselves: the first versions' probes check it
 
-    def after_sync(self, step: int, samples, tokens) -> None:
-        return None
+    def after_sync(self, step: int, samples, tokens) -> float | None:
+        n, every = self.cfg.run.sync_probe_seqs, self.cfg.run.sync_probe_every
+        if n and samples and not (step % every and step != 1):
+            seqs = [s.prompt_ids + s.response_ids for s in samples[:n]]
+            logprobs = policy_logprobs(self.policy, seqs, self.pad_id, tokens.whole(list(range(len(seqs)))))
+            self.remote.probe_out = {"version": step, "seqs": seqs, "logprobs": [lp.tolist() for lp in logprobs]}
+        gap, self.remote.probe_in = self.remote.probe_in, None
+        diff = float(all_reduce(-1.0 if gap is None else gap, op="max")[0])  # every trainer, every step
+        if diff < 0:
+            return None
+        line = mismatch_line(diff, self.cfg.model.dtype, self.policy.model.config.model_type,
+                             f"step {step}, the rollout ranks' engines")
+        if line and not self.cfg.run.allow_engine_mismatch:
+            raise RunAborted(line)
+        return diff
 
 
 class SplitTrainer(Trainer):
@@ -35,8 +58,8 @@ class SplitTrainer(Trainer):
     def build_rollout(self) -> RemoteRollout:
         return RemoteRollout(self.cfg, super().build_rollout(), self.groups)
 
-    def build_probe(self) -> SkippedProbe:
-        return SkippedProbe()
+    def build_probe(self) -> RemoteProbe:
+        return RemoteProbe(self.rollout, self.learner.policy, self.cfg, self.run.pad_id)
 
     def train(self) -> None:
         try:
