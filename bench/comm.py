@@ -19,9 +19,16 @@ With `--tp 1,2` each world size also runs with rollout.tensor_parallel_size=2 (s
 the ranks of an engine group all-gather their requests before each engine call (distflow's code,
 so counted in distflow_bytes), and what a rank sends must stay flat in the world size there too.
 
+With `--roles` the world sizes run role-split (pipeline.mode=split, W/2 trainers + W/2 rollout ranks,
+world sizes 2 and 4 by default): what each role's rank sends per step, its weight broadcasts and
+messages (distflow's code) over the run divided by its steps. A trainer sends its rollout set (one
+rank here) the model once per version and a control; a rollout rank sends its groups, one message
+per trainer: both must stay flat in W.
+
     .venv/bin/python bench/comm.py                 # world sizes 1,2,4 (+8 if memory allows), k = 1, 2
     .venv/bin/python bench/comm.py --world-sizes 1,2,4,8 --tp 1
     .venv/bin/python bench/comm.py --smoke --results-dir /tmp/r   # world sizes 1 and 2, launched at once
+    .venv/bin/python bench/comm.py --roles --world-sizes 2,4      # split runs: bytes per role
 """
 
 from __future__ import annotations
@@ -81,7 +88,10 @@ def main() -> None:
     p.add_argument("--world-sizes", default=None, help="comma list (default 1,2,4 plus 8 if memory allows; --smoke: 1,2)")
     p.add_argument("--steps", type=int, default=None, help="training steps per run (default 3; --smoke: 1)")
     p.add_argument("--tp", default=None, help="comma list of rollout.tensor_parallel_size (default 1,2; --smoke: 1)")
+    p.add_argument("--roles", action="store_true", help="role-split runs (W/2 + W/2): bytes per role's rank per step")
     args = p.parse_args()
+    if args.roles:
+        return roles(args)
     tps = [int(k) for k in (args.tp or ("1" if args.smoke else "1,2")).split(",")]
     if args.world_sizes:
         sizes = [int(w) for w in args.world_sizes.split(",")]
@@ -147,6 +157,33 @@ def main() -> None:
     C.write_json(args.results_dir, "comm", {"bench": "comm", "smoke": args.smoke, "machine": C.machine(),
                                             "experiment": "smoke", "model": model, "tolerance": TOLERANCE,
                                             "world_sizes": sizes, **top, "tensor_parallel": others})
+
+
+def roles(args) -> None:
+    """Split runs at each world size: the largest bytes per step any trainer and any rollout rank sends."""
+    sizes = [int(w) for w in (args.world_sizes or "2,4").split(",")]
+    steps, wd, model = args.steps or 3, C.work_dir(args, "comm_roles"), C.models(args)[0]
+    records = []
+    for w in sizes:
+        out, run_dir = wd / f"w{w}", wd / f"run-w{w}"
+        C.fresh(out, run_dir)
+        print(f"[comm] world size {w}: {w // 2} trainers + {w // 2} rollout ranks", flush=True)
+        overrides = ["experiment=smoke", f"model={model}", f"rollout={C.engine(args)}", f"run.steps={steps}",
+                     f"run.output_dir={run_dir}", "checkpoint.resume=never", "logging.plot_at_end=false",
+                     "logging.progress_bar=false", "pipeline=split", f"pipeline.rollout_ranks={w // 2}"]
+        C.torchrun(C.BENCH / "comm_entry.py", overrides, w, wd / f"w{w}.log", extra_env={"DISTFLOW_COMM_OUT": str(out)})
+        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(w)]
+        sent = [sum(distflow_bytes(p) for p in r["phases"].values()) / steps for r in ranks]
+        records.append({"world_size": w, "trainers": w // 2, "steps": steps,
+                        "trainer_bytes_per_step": max(sent[: w // 2]), "rollout_bytes_per_step": max(sent[w // 2:]),
+                        "per_rank_bytes_per_step": sent})
+    print(C.table(["world", "trainers", "trainer B/step", "rollout rank B/step"],
+                  [[r["world_size"], r["trainers"], r["trainer_bytes_per_step"], r["rollout_bytes_per_step"]]
+                   for r in records]))
+    flat_roles = {key: flat([r[key] for r in records]) for key in ("trainer_bytes_per_step", "rollout_bytes_per_step")}
+    C.write_json(args.results_dir, "comm_roles", {"bench": "comm_roles", "smoke": args.smoke, "machine": C.machine(),
+                                                  "experiment": "smoke", "model": model, "tolerance": TOLERANCE,
+                                                  "world_sizes": sizes, "records": records, "flat": flat_roles})
 
 
 if __name__ == "__main__":

@@ -23,14 +23,12 @@ resumed run draws again.
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 
-from distflow.errors import RunAborted
 from distflow.pipeline.links import PeerSilent
 from distflow.pipeline.remote import received
 from distflow.pipeline.rollout_rank import RolloutRank
@@ -42,8 +40,6 @@ from distflow.rollout.groups import Rollouts
 from distflow.rollout.schedule import sample_done
 from distflow.sample import Sample
 from distflow.seeds import sample_seed
-
-log = logging.getLogger("distflow")
 
 
 class StagedVersions:
@@ -179,51 +175,44 @@ class InflightGroups:
 class InflightRolloutRank(RolloutRank):
     """A rollout rank of a split run with pipeline.apply=inflight (see the module docstring)."""
 
-    def train(self) -> None:
+    def generate(self) -> None:
+        """Every target, admitted as the bound allows and sent as it finishes (see the module docstring)."""
         cfg = self.cfg
         eta, steps, engine = cfg.pipeline.max_staleness, cfg.run.steps, self.rollout.engine
         self.versions = StagedVersions(self.receiver, steps, cfg.run.collective_timeout_s)
         self.live = InflightGroups(engine, cfg.run.seed, cfg.algorithm.group_size, cfg.rollout.max_new_tokens)
         self.ended = False
-        try:
-            if self.run.resume.checkpoint is not None:
-                first, tensors = self.versions.wait()
-                self.take([(first, tensors)])
-                self.rollout.sampler.load_state_dict(first["cursor"])
-                self.target = first["next"]
-                log.info(f"resumed at version {self.version}: generating from step {self.target}")
-            admitted, drawn, busy = self.target, {}, 0.0  # drawn: target -> (its first position, the cursor after it)
-            self.timer.new_step(self.target)
-            while True:
-                if not self.take(self.versions.poll()):
-                    return
-                while admitted <= steps and engine.version >= engine_version(admitted, eta):
-                    drawn[admitted] = self.admit(admitted)
-                    admitted += 1
-                while self.target < admitted and self.live.done(self.target):
-                    positions, samples = self.live.take(self.target)
-                    items = [self.rollout.items[self.rollout.sampler.item(p)] for p in positions]
-                    kept = Rollouts(cfg.algorithm.group_size, items, samples)
-                    kept.stats.rounds, kept.stats.generated_groups = 1, len(items)
-                    first, cursor = drawn.pop(self.target)
-                    self.send(self.target, kept, first, busy, cursor, self.live.reprefilled)
-                    self.live.reprefilled, busy = 0, 0.0
-                    self.target += 1
-                    self.timer.new_step(self.target)
-                if self.live.running():
-                    start = time.perf_counter()
-                    with self.timer.phase("engine_step"):
-                        self.live.step()
-                    busy += time.perf_counter() - start
-                elif self.ended:
-                    return
-                elif not self.take([self.versions.wait()]):
-                    return
-        except RunAborted:
-            raise
-        except Exception as e:
-            self.abort_trainers(e)
-            raise
+        if self.run.resume.checkpoint is not None:
+            first, tensors = self.versions.wait()
+            self.take([(first, tensors)])
+            self.start_from(first)
+        admitted, drawn, busy = self.target, {}, 0.0  # drawn: target -> (its first position, the cursor after it)
+        self.timer.new_step(self.target)
+        while True:
+            if not self.take(self.versions.poll()):
+                return
+            while admitted <= steps and engine.version >= engine_version(admitted, eta):
+                drawn[admitted] = self.admit(admitted)
+                admitted += 1
+            while self.target < admitted and self.live.done(self.target):
+                positions, samples = self.live.take(self.target)
+                items = [self.rollout.items[self.rollout.sampler.item(p)] for p in positions]
+                kept = Rollouts(cfg.algorithm.group_size, items, samples)
+                kept.stats.rounds, kept.stats.generated_groups = 1, len(items)
+                first, cursor = drawn.pop(self.target)
+                self.send(self.target, kept, first, busy, cursor, self.live.reprefilled)
+                self.live.reprefilled, busy = 0, 0.0
+                self.target += 1
+                self.timer.new_step(self.target)
+            if self.live.running():
+                start = time.perf_counter()
+                with self.timer.phase("engine_step"):
+                    self.live.step()
+                busy += time.perf_counter() - start
+            elif self.ended:
+                return
+            elif not self.take([self.versions.wait()]):
+                return
 
     def admit(self, target: int) -> tuple[int, dict]:
         """Draw `target`'s positions and start its groups; its first position and the cursor after it."""

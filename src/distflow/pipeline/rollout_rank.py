@@ -65,40 +65,45 @@ class RolloutRank:
 
     # ----------------------------------------------------------------- the loop
     def train(self) -> None:
-        """Generate every target of the run (named as the trainer's, so the recipe runs either)."""
-        eta, steps = self.cfg.pipeline.max_staleness, self.cfg.run.steps
+        """Generate every target of the run (named as the trainer's, so the recipe runs either); an error
+        here reaches the trainers as this rank's line instead of leaving them to wait out the deadline."""
         try:
-            if self.run.resume.checkpoint is not None:
-                self.resume()
-            while self.target <= steps:
-                while self.version < engine_version(self.target, eta):
-                    if not self.advance():
-                        return
-                self.timer.new_step(self.target)
-                first = self.rollout.sampler.state_dict()["offset"]  # the step's first stream position
-                start = time.perf_counter()
-                kept = self.rollout.gather(self.target)
-                self.send(self.target, kept, first, generate_s=time.perf_counter() - start)
-                self.target += 1
-            while self.version < steps:  # the trainers' last versions and their controls
-                if not self.advance():
-                    return
+            self.generate()
         except RunAborted:
             raise
         except Exception as e:
-            self.abort_trainers(e)
+            line = f"rank {self.rank} raised {type(e).__name__}: {' '.join(str(e).split())}; " \
+                   f"stopped generating step {self.target}"
+            self.links.abort(self.trainers, line)
             raise
 
-    def abort_trainers(self, e: Exception) -> None:
-        """Forward this rank's error: the trainers stop with its line instead of waiting out the deadline."""
-        line = f"rank {self.rank} raised {type(e).__name__}: {' '.join(str(e).split())}; " \
-               f"stopped generating step {self.target}"
-        self.links.abort(self.trainers, line)
+    def generate(self) -> None:
+        """The staged schedule's targets, one after another (see the module docstring)."""
+        eta, steps = self.cfg.pipeline.max_staleness, self.cfg.run.steps
+        if self.run.resume.checkpoint is not None:
+            self.resume()
+        while self.target <= steps:
+            while self.version < engine_version(self.target, eta):
+                if not self.advance():
+                    return
+            self.timer.new_step(self.target)
+            first = self.rollout.sampler.state_dict()["offset"]  # the step's first stream position
+            start = time.perf_counter()
+            kept = self.rollout.gather(self.target)
+            self.send(self.target, kept, first, generate_s=time.perf_counter() - start)
+            self.target += 1
+        while self.version < steps:  # the trainers' last versions and their controls
+            if not self.advance():
+                return
 
     def resume(self) -> None:
         """The version the trainers resumed with, this rank's data cursor and its first target."""
         first = received(self.receiver.announce())
         self.apply(first)
+        self.start_from(first)
+
+    def start_from(self, first: dict) -> None:
+        """Where a resume goes on: the data cursor and first target its first announce carries."""
         self.rollout.sampler.load_state_dict(first["cursor"])
         self.target = first["next"]
         log.info(f"resumed at version {self.version}: generating from step {self.target}")
