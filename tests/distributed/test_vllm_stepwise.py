@@ -3,7 +3,8 @@ its blocking generate, now submit-all-then-step, samples exactly the tokens and 
 LLM.generate sampled with the same seeds; requests join a running engine, honour their own
 max_tokens and ignore_eos, and an abort hands back what was generated. The carry-over driver on it:
 eta = 0 is generate, a cut sample continues with the engine's own logprobs, a rebuilt driver
-continues exactly."""
+continues exactly. An inflight rollout rank's groups on it (two steps' groups decoding together, a
+version applied while they run) likewise."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from carry_helpers import G, LENGTHS, carry_config, item, key, run_steps
 from config_helpers import fp32_config
 from dist_helpers import run_distributed
+from distflow.pipeline.inflight import InflightGroups
 from distflow.rollout import build_engine
 from distflow.rollout.base import Request
 from distflow.rollout.carry import CarryBuffer
@@ -74,6 +76,7 @@ def _worker(rank, world, model_dir):
     engine.load_weights([], version=3)
     out["version"] = engine.version
     out["driver"] = _drive(engine)
+    out["inflight"] = _inflight(engine)
     engine.shutdown()
     return out
 
@@ -110,6 +113,28 @@ def _drive(engine) -> dict:
     return out
 
 
+def _inflight(engine) -> dict:
+    """InflightGroups on vLLM: two targets' groups decode together; a version applied after 3 engine steps
+    cuts every running sample and continues it (tokens before the cut version 0's, after it version 1's,
+    every logprob the engine's own), and the probe's prompt_logprobs runs where nothing is pending."""
+    _resync(engine, 0)
+    live = InflightGroups(engine, 0, G, 24)
+    live.admit(1, [1, 3], [item(p).prompt_ids for p in (1, 3)])
+    live.admit(2, [5], [item(5).prompt_ids])
+    for _ in range(3):
+        live.step()
+    probe = []
+    live.recompute(lambda: (probe.extend(engine.prompt_logprobs([item(1).prompt_ids])), _resync(engine, 1)))
+    while live.running():
+        live.step()
+    samples = live.take(1)[1] + live.take(2)[1]
+    cut = [s for s in samples if s.versions[:3] == [0, 0, 0] and set(s.versions[3:]) == {1}]
+    full = engine.prompt_logprobs([s.prompt_ids + s.response_ids for s in cut])
+    gap = max(abs(a - b) for s, f in zip(cut, full) for a, b in zip(s.logprobs, f[len(s.prompt_ids) - 1:]))
+    return {"samples": len(samples), "cut": len(cut), "gap": gap, "probe": len(probe) == 1 and len(probe[0]) > 0,
+            "pending": engine.pending()}
+
+
 def test_generate_by_steps_is_llm_generate_and_requests_join_and_abort(tiny_model_dir):
     r = run_distributed(_worker, 1, tiny_model_dir, timeout=600)
     assert r["same"], "generate over engine steps must sample exactly what LLM.generate sampled"
@@ -123,3 +148,5 @@ def test_generate_by_steps_is_llm_generate_and_requests_join_and_abort(tiny_mode
     assert d["carried"] > 0 and d["resumed"], d
     assert d["cut"][0] > 0 and d["cut"][1] <= 1e-5, d["cut"]  # continued under v+1 with the engine's logprobs
     assert r["version"] == 3
+    i = r["inflight"]
+    assert i["samples"] == 3 * G and i["cut"] > 0 and i["gap"] <= 1e-5 and i["probe"] and i["pending"] == 0, i

@@ -58,6 +58,10 @@ PIPELINE_ELSEWHERE = {
     ".venv/bin/torchrun --standalone --nproc_per_node=4 recipes/grpo.py experiment=smoke pipeline=split  "
     "pipeline.rollout_ranks=2 pipeline.max_staleness=2": "distributed/test_split_pipeline.py: 2 + 2 ranks at eta 2, "
                                                           "signalled and resumed; the 2-rank split line launches here",
+    ".venv/bin/torchrun --standalone --nproc_per_node=4 recipes/grpo.py experiment=smoke pipeline=split  "
+    "pipeline.rollout_ranks=2 pipeline.max_staleness=2 pipeline.apply=inflight":
+        "distributed/test_split_pipeline.py: 2 + 2 ranks inflight at eta 1, with delays, signalled and resumed; "
+        "its groups on vLLM in distributed/test_vllm_stepwise.py",
 }
 
 
