@@ -106,7 +106,7 @@ def _kw(kwargs: dict, *names: str):
 
 def _category(filename: str) -> str:
     f = filename.replace("\\", "/")
-    if DISTFLOW_DIR and f == DISTFLOW_DIR + "grad_sync.py":
+    if DISTFLOW_DIR and f == DISTFLOW_DIR + "train/grad_sync.py":
         return "fsdp"
     if DISTFLOW_DIR and f.startswith(DISTFLOW_DIR):
         return "distflow"
