@@ -35,7 +35,9 @@ BASE = ["experiment=smoke", "model.dtype=float32", "rollout=hf", "logging.plot_a
         "task.reward=rewards_for_tests:digit_fraction", "rollout_correction=token_tis", "checkpoint.export_at_end=true"]
 SPLIT = ["pipeline.mode=split", "pipeline.rollout_ranks=2"]
 ETA2 = [*SPLIT, "pipeline.max_staleness=2", "run.steps=6"]
-INFLIGHT = [*SPLIT, "pipeline.apply=inflight", "pipeline.max_staleness=1", "run.steps=5"]
+# DAPO: 4 prompts a step drawn x 1.5 = 6, scored on the rollout ranks, those whose rewards differ trained
+INFLIGHT = [*SPLIT, "pipeline.apply=inflight", "pipeline.max_staleness=1", "run.steps=5", "algorithm=dapo",
+            "pipeline.oversample=0.5"]
 REFERENCE = [("sync_ref", "sync_ref", ["run.steps=3"], None)]
 CASES = [  # (name, folder, overrides, fault: (rank, step, what) in a rank's generation)
     ("split_eta0", "split_eta0", [*SPLIT, "run.steps=3"], None),
@@ -70,15 +72,16 @@ class FaultInGeneration:
 
 
 class Delays:
-    """Injected delays: every engine step of a rollout rank (apply=inflight steps the engine itself) 20 ms
-    slower, and one trainer 1 s late at one step's update."""
+    """Injected delays: every engine step of a rollout rank (apply=inflight steps the engine itself) 80 ms
+    slower, so that generating a step takes longer than training one and versions arrive while samples
+    run, and one trainer 1 s late at one step's update."""
 
     def __init__(self, step: int, trainer: bool):
         self.step, self.trainer = step, trainer
 
     def on_phase_end(self, phase: str, step: int, seconds: float) -> None:
         if phase == "engine_step" and not self.trainer:
-            time.sleep(0.02)
+            time.sleep(0.08)
 
     def on_batch(self, step: int, batch):
         if self.trainer and step == self.step:
@@ -239,18 +242,22 @@ def test_a_run_resumed_on_fewer_trainers_trains_the_groups_in_flight_once(runs):
 def test_inflight_versions_keep_every_token_within_the_bound_under_delays(runs):
     """apply=inflight with every rollout rank's engine steps slowed and a trainer late at step 3: versions
     are applied while samples run (their tokens re-prefilled), and no trained token is older than
-    s - 1 - eta (the trainers check it on every step, and stop with a line where it fails)."""
+    s - 1 - eta (the trainers check it on every step, and stop with a line where it fails). DAPO's
+    dynamic sampling runs on the rollout ranks: each step draws its prompts x (1 + oversample) and trains
+    the groups whose rewards differ."""
     rows = _rows(runs, "inflight", 5)
     for row in rows:
         assert 0 <= row["staleness/mean"] <= row["staleness/max"] <= min(row["step"] - 1, 1), row
         assert row["grad_norm"] > 0 and 0 <= row["rollout/idle_ratio"] <= 1, row
+        assert row["dynamic_sampling/generated_groups"] == 6 and row["dynamic_sampling/rounds"] == 1, row
+        assert 0 < row["dynamic_sampling/kept_groups"] <= 6, row
     assert sum(r["partial/reprefill_tokens"] for r in rows) > 0, rows
     probes = [r["sync/max_abs_logprob_diff"] for r in rows if not math.isnan(r["sync/max_abs_logprob_diff"])]
     assert probes and all(0 <= d <= 1e-5 for d in probes), rows  # compared where the next version is applied
     # the bound is reached: a check with eta lowered to 0 stops at a step whose oldest token is 1 version old
     lines = [bound_problem(r["step"], r["step"] - 1 - int(r["staleness/max"]), 0) for r in rows]
     assert any(line and "older than step - 1 - pipeline.max_staleness" in line for line in lines), rows
-    assert runs["inflight"]["saved"]["step_000005"]["cursors"]["2"]["offset"] == 5 * 4  # 4 prompts a step
+    assert runs["inflight"]["saved"]["step_000005"]["cursors"]["2"]["offset"] == 5 * 6  # 6 prompts drawn a step
 
 
 def test_an_inflight_run_stopped_by_a_signal_resumes_without_losing_or_repeating_a_position(runs):
@@ -263,10 +270,10 @@ def test_an_inflight_run_stopped_by_a_signal_resumes_without_losing_or_repeating
     assert stop in (3, 4), first["rows"]
     saved = first["saved"][f"step_{stop:06d}"]
     assert sorted(saved["inbox"]) == [str(stop + 1)]
-    assert {c["offset"] for c in saved["cursors"].values()} == {(stop + 1) * 4}
+    assert {c["offset"] for c in saved["cursors"].values()} == {(stop + 1) * 6}
     rows = _rows(runs, "inflight_continued", 5)
     assert all(r["staleness/max"] <= 1 and r["grad_norm"] > 0 for r in rows), rows
-    assert {c["offset"] for c in runs["inflight_continued"]["saved"]["step_000005"]["cursors"].values()} == {5 * 4}
+    assert {c["offset"] for c in runs["inflight_continued"]["saved"]["step_000005"]["cursors"].values()} == {5 * 6}
 
 
 def test_a_rollout_rank_that_raises_stops_every_rank_with_its_line(runs):

@@ -461,11 +461,11 @@ FAULTS: list[Fault] = [
           (E + "pipeline.apply=inflight needs pipeline.mode=split (the rollout ranks apply the versions)",),
           "nothing was started", "Add `pipeline=split`, or drop the key.",
           _config({"pipeline": {"apply": "inflight"}})),
-    Fault("config-inflight-dynamic-sampling", "config", "`pipeline.apply=inflight` with DAPO's dynamic sampling",
-          (E + "pipeline.apply=inflight does not run dynamic sampling (algorithm.dynamic_sampling) yet: use "
-               "pipeline.apply=staged",),
-          "nothing was started", "Use `pipeline.apply=staged` (the default), which runs it on the rollout ranks.",
-          _config({"pipeline": {"mode": "split", "rollout_ranks": 1, "apply": "inflight"},
+    Fault("config-oversample-staged", "config", "`pipeline.oversample` without `pipeline.apply=inflight`",
+          (E + "pipeline.oversample=0.5 needs pipeline.apply=inflight with algorithm.dynamic_sampling (staged runs "
+               "draw more rounds instead)",),
+          "nothing was started", "Add `pipeline.apply=inflight` (with `algorithm=dapo`), or drop the key.",
+          _config({"pipeline": {"mode": "split", "rollout_ranks": 1, "oversample": 0.5},
                    "algorithm": {"dynamic_sampling": True}})),
     Fault("config-split-validation", "config", "held-out validation in a split run",
           (E + "pipeline.mode=split does not run held-out validation (validation.*) yet: use pipeline.mode=sync or "

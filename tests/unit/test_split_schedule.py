@@ -36,6 +36,7 @@ def test_the_staged_schedule():
     assert [engine_version(s, 0) for s in (1, 2, 3)] == [0, 1, 2]  # sync
     assert [engine_version(s, 2) for s in (1, 2, 3, 4, 5)] == [0, 0, 0, 1, 2]
     assert [weights_needed(v, 1, 6) for v in (3, 4, 5, 6)] == [True, True, False, False]
+    assert [weights_needed(v, 1, 6, inflight=True) for v in (4, 5, 6)] == [True, True, False]  # fresher, in flight
     assert list(held_targets(3, 2, 6)) == [4, 5] and list(held_targets(5, 2, 6)) == [6]
     assert list(held_targets(6, 2, 6)) == [] and list(held_targets(3, 0, 6)) == []
 

@@ -35,6 +35,10 @@ class PipelineConfig:
                   "start (reproducible; targets one after another). inflight: each version between two engine steps "
                   "as soon as it arrives, the running samples re-prefilled under it (fresher, every token tagged "
                   "with its version; not reproducible), with the groups of up to eta + 1 steps in the engine at once.")
+    oversample: float = knob(
+        0.0, "split with apply=inflight and dynamic sampling: each step draws its prompts x (1 + oversample), scores "
+             "every group on the rollout ranks and trains those whose rewards differ. No extra rounds (the ranks "
+             "do not wait for each other), so a step trains a varying number of groups.")
     max_concurrency: Optional[int] = knob(None, "Samples running in the engine at once (carryover; a group's "
                                                 "samples count alike); null: every admitted group at once.")
 
@@ -51,6 +55,7 @@ class PipelineConfig:
              f"{self.rollout_ranks}"),
             (self.mode == "split" or self.apply == "staged",
              f"pipeline.apply={self.apply} needs pipeline.mode=split (the rollout ranks apply the versions)"),
+            (self.oversample >= 0, f"pipeline.oversample must be >= 0, got {self.oversample}"),
             (self.max_concurrency is None or self.max_concurrency >= 1,
              f"pipeline.max_concurrency must be >= 1 (or null), got {self.max_concurrency}"),
         ]

@@ -112,6 +112,9 @@ def _across_sections(cfg: DistflowConfig) -> list[tuple[bool, str]]:
          f"pipeline.max_concurrency={cfg.pipeline.max_concurrency} is below algorithm.group_size={a.group_size}: "
          "a group's samples run together"),
         *_split_rules(cfg),
+        (cfg.pipeline.oversample == 0 or (cfg.pipeline.apply == "inflight" and a.dynamic_sampling),
+         f"pipeline.oversample={cfg.pipeline.oversample:g} needs pipeline.apply=inflight with "
+         "algorithm.dynamic_sampling (staged runs draw more rounds instead)"),
         (not a.needs_teacher or bool(cfg.teacher.path),
          "algorithm.advantage=distill learns from a teacher: set teacher.path to its model folder"),
         (a.needs_teacher or not cfg.teacher.path,
@@ -138,10 +141,7 @@ def _split_rules(cfg: DistflowConfig) -> list[tuple[bool, str]]:
         (cfg.rollout.tensor_parallel_size > 1, "rollout.tensor_parallel_size > 1"),
     ]
     return [(not bool(used), f"pipeline.mode=split does not run {what} yet: use pipeline.mode=sync or carryover")
-            for used, what in unsupported] + [
-        (cfg.pipeline.apply == "staged" or not cfg.algorithm.dynamic_sampling,
-         "pipeline.apply=inflight does not run dynamic sampling (algorithm.dynamic_sampling) yet: use "
-         "pipeline.apply=staged")]
+            for used, what in unsupported]
 
 
 def config_record(cfg: DistflowConfig, auto: dict[str, Any] | None = None) -> dict[str, Any]:

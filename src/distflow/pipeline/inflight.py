@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from distflow.algorithms import dynamic_sampling_keep
 from distflow.pipeline.links import PeerSilent
 from distflow.pipeline.remote import received
 from distflow.pipeline.rollout_rank import RolloutRank
@@ -195,10 +196,7 @@ class InflightRolloutRank(RolloutRank):
                 drawn[admitted] = self.admit(admitted)
                 admitted += 1
             while self.target < admitted and self.live.done(self.target):
-                positions, samples = self.live.take(self.target)
-                items = [self.rollout.items[self.rollout.sampler.item(p)] for p in positions]
-                kept = Rollouts(cfg.algorithm.group_size, items, samples)
-                kept.stats.rounds, kept.stats.generated_groups = 1, len(items)
+                kept = self.finished(self.target)
                 first, cursor = drawn.pop(self.target)
                 self.send(self.target, kept, first, busy, cursor, self.live.reprefilled)
                 self.live.reprefilled, busy = 0, 0.0
@@ -215,13 +213,32 @@ class InflightRolloutRank(RolloutRank):
                 return
 
     def admit(self, target: int) -> tuple[int, dict]:
-        """Draw `target`'s positions and start its groups; its first position and the cursor after it."""
-        sampler = self.rollout.sampler
+        """Draw `target`'s positions (with dynamic sampling its share x (1 + pipeline.oversample), the same
+        count on every rollout rank, so their draws stay one stream) and start its groups; its first
+        position and the cursor after it."""
+        sampler, draws = self.rollout.sampler, self.rollout.per_rank
+        if self.cfg.algorithm.dynamic_sampling:
+            draws = round(draws * (1 + self.cfg.pipeline.oversample))
         first = sampler.state_dict()["offset"]
-        positions = sampler.next_positions(self.rollout.per_rank)
+        positions = sampler.next_positions(draws)
         prompts = [list(self.rollout.items[sampler.item(p)].prompt_ids) for p in positions]
         self.live.admit(target, positions, prompts)
         return first, sampler.state_dict()
+
+    def finished(self, target: int) -> Rollouts:
+        """A finished target's groups as sent: with dynamic sampling scored here, and only those whose
+        rewards differ (DAPO's filter, one round)."""
+        positions, samples = self.live.take(target)
+        items = [self.rollout.items[self.rollout.sampler.item(p)] for p in positions]
+        out = Rollouts(self.cfg.algorithm.group_size, items, samples)
+        out.stats.rounds, out.stats.generated_groups = 1, len(items)
+        if not self.cfg.algorithm.dynamic_sampling:
+            return out
+        with self.timer.phase("reward"):
+            out.rewards = self.rollout.score(out)
+        kept = Rollouts(out.group_size, stats=out.stats)
+        kept.keep_groups(out, dynamic_sampling_keep(out.rewards))
+        return kept
 
     def take(self, messages: list[tuple[dict, list | None]]) -> bool:
         """Versions and controls that arrived: the newest weights applied (what runs is cut and continued

@@ -113,7 +113,8 @@ class RemoteRollout:
             nxt = max(self.inbox, default=version) + 1
             notes = {dst: {"cursor": self.cursors[dst], "next": nxt} for dst in self.rollout_set}
             self.resumed = False
-        self.publisher.publish(weights if weights_needed(version, self.eta, self.steps) else None, version, notes)
+        needed = weights_needed(version, self.eta, self.steps, self.cfg.pipeline.apply == "inflight")
+        self.publisher.publish(weights if needed else None, version, notes)
 
     def control(self, step: int, halt: bool) -> None:
         """After the step boundary: whether the run stops here (a signal: saved, stopping), and a probed

@@ -15,10 +15,11 @@ def engine_version(target: int, eta: int) -> int:
     return max(0, target - 1 - eta)
 
 
-def weights_needed(version: int, eta: int, steps: int) -> bool:
+def weights_needed(version: int, eta: int, steps: int, inflight: bool = False) -> bool:
     """Whether any target of a run of `steps` steps is generated with `version` (else the trainers
-    announce it without its weights)."""
-    return version + 1 + eta <= steps
+    announce it without its weights). With versions applied in flight every version but the last can
+    still continue a running target."""
+    return version < steps if inflight else version + 1 + eta <= steps
 
 
 def held_targets(step: int, eta: int, steps: int) -> range:
