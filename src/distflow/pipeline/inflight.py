@@ -23,77 +23,19 @@ resumed run draws again.
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 from distflow.algorithms import dynamic_sampling_keep
-from distflow.pipeline.links import PeerSilent
-from distflow.pipeline.remote import received
 from distflow.pipeline.rollout_rank import RolloutRank
 from distflow.pipeline.schedule import engine_version
-from distflow.pipeline.weights import WeightReceiver
 from distflow.rollout.base import Request
 from distflow.rollout.driver import continued
 from distflow.rollout.groups import Rollouts
 from distflow.rollout.schedule import sample_done
 from distflow.sample import Sample
 from distflow.seeds import sample_seed
-
-
-class StagedVersions:
-    """This rank's trainer's announces, received by a thread as they come: a version's weights into
-    tensors of their own (the bucket broadcasts joined at once), a control as it is. The loop polls
-    them between engine steps, or waits for the next one when it has nothing to generate."""
-
-    def __init__(self, receiver: WeightReceiver, steps: int, timeout_s: float):
-        self.receiver, self.steps, self.timeout_s = receiver, steps, timeout_s
-        self.queue: queue.Queue = queue.Queue()
-        self.thread = threading.Thread(target=self._receive, name="distflow-versions", daemon=True)
-        self.thread.start()
-
-    def _receive(self) -> None:
-        try:
-            while True:
-                message = self.receiver.announce()
-                if message.get("kind") == "weights":
-                    self.queue.put((message, list(self.receiver.tensors(message))
-                                    if message["bucket"] is not None else None))
-                    continue
-                self.queue.put((message, None))
-                if message.get("kind") != "control" or message["halt"] or message["step"] >= self.steps:
-                    return  # an abort line, a stop, or the run's last step: nothing follows
-        except BaseException as e:  # the loop raises it where it polls (a silent trainer: PeerSilent)
-            self.queue.put((e, None))
-
-    def poll(self) -> list[tuple[dict, list | None]]:
-        """What arrived since the last poll, in order (an abort or an error raises here)."""
-        out = []
-        while True:
-            try:
-                out.append(_checked(self.queue.get_nowait()))
-            except queue.Empty:
-                return out
-
-    def wait(self) -> tuple[dict, list | None]:
-        """The next message (the thread's own waits end at the run's deadline with PeerSilent)."""
-        try:
-            return _checked(self.queue.get(timeout=self.timeout_s + 60.0))
-        except queue.Empty:
-            raise PeerSilent(f"no announce arrived within {self.timeout_s:g} s (run.collective_timeout_s) and its "
-                             "receiving thread is stuck; stopping") from None
-
-    def close(self) -> None:
-        self.thread.join(timeout=5.0)
-
-
-def _checked(item: tuple) -> tuple[dict, list | None]:
-    message, tensors = item
-    if isinstance(message, BaseException):
-        raise message
-    return received(message), tensors
 
 
 @dataclass
@@ -180,7 +122,6 @@ class InflightRolloutRank(RolloutRank):
         """Every target, admitted as the bound allows and sent as it finishes (see the module docstring)."""
         cfg = self.cfg
         eta, steps, engine = cfg.pipeline.max_staleness, cfg.run.steps, self.rollout.engine
-        self.versions = StagedVersions(self.receiver, steps, cfg.run.collective_timeout_s)
         self.live = InflightGroups(engine, cfg.run.seed, cfg.algorithm.group_size, cfg.rollout.max_new_tokens)
         self.ended = False
         if self.run.resume.checkpoint is not None:
@@ -264,8 +205,3 @@ class InflightRolloutRank(RolloutRank):
             with self.timer.phase("receive"):
                 self.live.recompute(load)
         return True
-
-    def close(self) -> None:
-        if hasattr(self, "versions"):
-            self.versions.close()
-        super().close()

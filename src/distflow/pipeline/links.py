@@ -23,6 +23,13 @@ KEEP_SENDS = 64  # sends whose buffers stay referenced before the oldest is wait
 
 
 
+def received(message: dict) -> dict:
+    """A message from the other role, or the RunAborted it forwards (a peer stopped on an error)."""
+    if message.get("kind") == "abort":
+        raise RunAborted(message["line"])
+    return message
+
+
 class PeerSilent(RunAborted):
     """A peer sent nothing before the deadline (it died, hung, or stopped on an error of its own)."""
 

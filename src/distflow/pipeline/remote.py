@@ -22,19 +22,12 @@ import torch
 from distflow.config import ConfigError, DistflowConfig
 from distflow.distributed.roles import RoleGroups
 from distflow.errors import RunAborted
-from distflow.pipeline.links import Links
+from distflow.pipeline.links import Links, received
 from distflow.pipeline.schedule import held_targets, weights_needed
 from distflow.pipeline.weights import WeightPublisher
 from distflow.rollout import Rollout
 from distflow.rollout.groups import RolloutStats, Rollouts
 from distflow.sample import sample_from_data, sample_to_data
-
-
-def received(message: dict) -> dict:
-    """A message from the other role, or the RunAborted it forwards (a peer stopped on an error)."""
-    if message.get("kind") == "abort":
-        raise RunAborted(message["line"])
-    return message
 
 
 class RemoteRollout:

@@ -3,7 +3,9 @@ staged schedule names, and send every trainer its share.
 
 Targets go in order. Before generating target s the rank applies versions, one announce at a time,
 until its engine holds s - 1 - eta (distflow.pipeline.schedule.engine_version); each version is
-followed by its trainer's control message for that step (stop there: a signal, saved). So with
+followed by its trainer's control message for that step (stop there: a signal, saved). A thread
+receives the versions as the trainer broadcasts them (distflow.pipeline.weights.StagedVersions, one
+ahead of the engine's), so the trainer does not wait for the target in progress. So with
 eta >= 1 the rank generates step s + eta while the trainers train step s, and with eta = 0 the two
 roles take turns exactly as a sync run's phases do. The groups of a target go to the trainer that a
 sync run on the trainers' count of ranks would have drawn them on (Roles.trainer_of), one message
@@ -25,9 +27,8 @@ from distflow.distributed.roles import RoleGroups
 from distflow.errors import RunAborted
 from distflow.metrics.timer import PhaseTimer
 from distflow.pipeline.links import Links
-from distflow.pipeline.remote import received
 from distflow.pipeline.schedule import engine_version
-from distflow.pipeline.weights import WeightReceiver
+from distflow.pipeline.weights import StagedVersions, WeightReceiver
 from distflow.probe import engine_gaps, largest_gap
 from distflow.rollout import Rollout
 from distflow.rollout.groups import Rollouts
@@ -67,6 +68,7 @@ class RolloutRank:
     def train(self) -> None:
         """Generate every target of the run (named as the trainer's, so the recipe runs either); an error
         here reaches the trainers as this rank's line instead of leaving them to wait out the deadline."""
+        self.versions = StagedVersions(self.receiver, self.cfg.run.steps, self.cfg.run.collective_timeout_s)
         try:
             self.generate()
         except RunAborted:
@@ -98,8 +100,8 @@ class RolloutRank:
 
     def resume(self) -> None:
         """The version the trainers resumed with, this rank's data cursor and its first target."""
-        first = received(self.receiver.announce())
-        self.apply(first)
+        first, tensors = self.versions.wait()
+        self.apply(first, tensors)
         self.start_from(first)
 
     def start_from(self, first: dict) -> None:
@@ -111,9 +113,9 @@ class RolloutRank:
     def advance(self) -> bool:
         """The next version and its step's control message; False when the run stops there (a control
         may also come alone: the trainers stopped before their first step)."""
-        while (message := received(self.receiver.announce()))["kind"] == "weights":
-            self.apply(message)
-        goes_on = self.goes_on(message)
+        while (item := self.versions.wait())[0]["kind"] == "weights":
+            self.apply(*item)
+        goes_on = self.goes_on(item[0])
         self.answer_probe()  # the engine holds the control's version (if it came with weights), nothing runs
         return goes_on
 
@@ -138,10 +140,11 @@ class RolloutRank:
         gaps = engine_gaps(self.rollout, wanted["seqs"], [torch.tensor(lp) for lp in wanted["logprobs"]])
         self.probe_gap, self.probe_wanted = max(self.probe_gap or 0.0, largest_gap(gaps)), None
 
-    def apply(self, announce: dict) -> None:
-        if announce["bucket"] is not None:
+    def apply(self, announce: dict, tensors: list | None) -> None:
+        """A version as staged: its weights into the engine (None: announced without them)."""
+        if tensors is not None:
             with self.timer.phase("receive"):
-                self.rollout.load_weights(self.receiver.tensors(announce), announce["version"])
+                self.rollout.load_weights(tensors, announce["version"])
         self.version = announce["version"]
 
     def send(self, target: int, kept: Rollouts, first: int, generate_s: float, cursor: dict | None = None,
@@ -175,6 +178,8 @@ class RolloutRank:
 
     def close(self) -> None:
         self.stop_signal.uninstall()
+        if hasattr(self, "versions"):
+            self.versions.close()
         if hasattr(self, "links"):
             self.links.flush()
         if hasattr(self, "rollout"):

@@ -7,10 +7,16 @@ whatever the world size. Tensors travel in buckets of one dtype, flattened; befo
 announce message (distflow.pipeline.links) names the version and the bucket's tensors, so the
 receiver allocates, joins the broadcast and hands the engine (name, tensor) pairs as they arrive.
 The broadcasts are polled against the run's deadline like every wait between the roles.
+
+A rollout rank receives in a thread (`StagedVersions`): each version's buckets into tensors of its own
+as soon as its trainer broadcasts them, so a trainer waits for no engine step, with at most one
+version staged ahead of the one the rank holds (double buffering: the weights' memory twice).
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from typing import Iterable, Iterator
 
@@ -18,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from distflow.distributed import waiting
-from distflow.pipeline.links import Links, PeerSilent
+from distflow.pipeline.links import Links, PeerSilent, received
 
 POLL_S = 0.002
 
@@ -114,3 +120,62 @@ class WeightReceiver:
             if message["last"]:
                 return
             message = self.announce()
+
+
+class StagedVersions:
+    """A rollout rank's announces, received by a thread as they come: a version's weights into tensors of
+    their own (its bucket broadcasts joined at once while fewer than `ahead` received versions wait to
+    be taken, so the trainer waits for no engine step), a control as it is. The rank takes them in
+    order: `wait` for the next, or `poll` between engine steps."""
+
+    def __init__(self, receiver: WeightReceiver, steps: int, timeout_s: float, ahead: int = 1):
+        self.receiver, self.steps, self.timeout_s = receiver, steps, timeout_s
+        self.room = threading.Semaphore(ahead)  # versions staged and not yet taken, at most `ahead`
+        self.queue: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._receive, name="distflow-versions", daemon=True)
+        self.thread.start()
+
+    def _receive(self) -> None:
+        try:
+            while True:
+                message = self.receiver.announce()
+                if message.get("kind") == "weights":
+                    tensors = None
+                    if message["bucket"] is not None:
+                        self.room.acquire()  # the trainer's broadcast waits here while a version waits to be taken
+                        tensors = list(self.receiver.tensors(message))
+                    self.queue.put((message, tensors))
+                    continue
+                self.queue.put((message, None))
+                if message.get("kind") != "control" or message["halt"] or message["step"] >= self.steps:
+                    return  # an abort line, a stop, or the run's last step: nothing follows
+        except BaseException as e:  # raised where the rank takes it (a silent trainer: PeerSilent)
+            self.queue.put((e, None))
+
+    def _taken(self, item: tuple) -> tuple[dict, list | None]:
+        message, tensors = item
+        if isinstance(message, BaseException):
+            raise message
+        if tensors is not None:
+            self.room.release()
+        return received(message), tensors
+
+    def poll(self) -> list[tuple[dict, list | None]]:
+        """What arrived since the last poll, in order (an abort or an error raises here)."""
+        out = []
+        while True:
+            try:
+                out.append(self._taken(self.queue.get_nowait()))
+            except queue.Empty:
+                return out
+
+    def wait(self) -> tuple[dict, list | None]:
+        """The next message (the thread's own waits end at the run's deadline with PeerSilent)."""
+        try:
+            return self._taken(self.queue.get(timeout=self.timeout_s + 60.0))
+        except queue.Empty:
+            raise PeerSilent(f"no announce arrived within {self.timeout_s:g} s (run.collective_timeout_s) and its "
+                             "receiving thread is stuck; stopping") from None
+
+    def close(self) -> None:
+        self.thread.join(timeout=5.0)
