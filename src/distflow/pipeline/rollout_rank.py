@@ -4,8 +4,8 @@ staged schedule names, and send every trainer its share.
 Targets go in order. Before generating target s the rank applies versions, one announce at a time,
 until its engine holds s - 1 - eta (distflow.pipeline.schedule.engine_version); each version is
 followed by its trainer's control message for that step (stop there: a signal, saved). A thread
-receives the versions as the trainer broadcasts them (distflow.pipeline.weights.StagedVersions, one
-ahead of the engine's), so the trainer does not wait for the target in progress. So with
+receives the versions as the trainer broadcasts them (distflow.pipeline.weights.StagedVersions, up to
+eta ahead of the engine's), so the trainer does not wait for the target in progress. So with
 eta >= 1 the rank generates step s + eta while the trainers train step s, and with eta = 0 the two
 roles take turns exactly as a sync run's phases do. The groups of a target go to the trainer that a
 sync run on the trainers' count of ranks would have drawn them on (Roles.trainer_of), one message
@@ -68,7 +68,9 @@ class RolloutRank:
     def train(self) -> None:
         """Generate every target of the run (named as the trainer's, so the recipe runs either); an error
         here reaches the trainers as this rank's line instead of leaving them to wait out the deadline."""
-        self.versions = StagedVersions(self.receiver, self.cfg.run.steps, self.cfg.run.collective_timeout_s)
+        # a staged rank applies version v at target v + 1 + eta, so eta versions wait there (inflight: the newest)
+        ahead = max(1, self.cfg.pipeline.max_staleness) if self.cfg.pipeline.apply == "staged" else 1
+        self.versions = StagedVersions(self.receiver, self.cfg.run.steps, self.cfg.run.collective_timeout_s, ahead)
         try:
             self.generate()
         except RunAborted:

@@ -9,8 +9,9 @@ receiver allocates, joins the broadcast and hands the engine (name, tensor) pair
 The broadcasts are polled against the run's deadline like every wait between the roles.
 
 A rollout rank receives in a thread (`StagedVersions`): each version's buckets into tensors of its own
-as soon as its trainer broadcasts them, so a trainer waits for no engine step, with at most one
-version staged ahead of the one the rank holds (double buffering: the weights' memory twice).
+as soon as its trainer broadcasts them, so a trainer waits for no engine step. A bounded number of
+versions wait to be applied (the staged schedule's eta, inflight's one: the weights' memory that many
+times more on the rollout rank, on its device).
 """
 
 from __future__ import annotations
