@@ -8,8 +8,11 @@ generate; tiny model, the hf engine), against sync runs on 2 ranks:
   then resumed, equals one run straight through (so two runs of a config are identical); resumed on
   1 + 2 ranks, the one trainer trains both trainers' groups in flight;
 - a rollout rank that raises stops every rank with its line, and one killed (SIGKILL) mid-run stops
-  every survivor within run.collective_timeout_s with a line naming it; layouts a split cannot run
-  stop every rank before any weights load.
+  every survivor within run.collective_timeout_s with a line naming it, as does a killed trainer of an
+  inflight run; layouts a split cannot run stop every rank before any weights load;
+- pipeline.apply=inflight: every token within the bound under injected delays, DAPO's dynamic
+  sampling on the rollout ranks, a signal and a resume that neither loses nor repeats a position;
+- the engine probe runs on the rollout ranks, and a broken resync stops every rank with its line.
 """
 
 from __future__ import annotations
@@ -102,9 +105,23 @@ class SignalFrom:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+class KillAtUpdate:
+    """SIGKILL to this trainer as it reaches step `step`'s update."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_batch(self, step: int, batch):
+        if step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return batch
+
+
 def _observers(rank: int, fault) -> list:
     if not fault:
         return []
+    if fault[2] == "kill" and rank == fault[0] < 2:  # a trainer
+        return [KillAtUpdate(fault[1])]
     if fault[2] == "delays":
         return [Delays(fault[1], trainer=rank == fault[0])] if rank == fault[0] or rank >= 2 else []
     if fault[0] != rank:
@@ -162,15 +179,18 @@ def _worker(rank, world, tmp, cases):
     return results
 
 
-KILLED = [("rollout_killed", "rollout_killed", [*SPLIT, "run.steps=2", "run.collective_timeout_s=8"], (2, 2, "kill"))]
+KILLED = [("rollout_killed", "rollout_killed", [*SPLIT, "run.steps=2", "run.collective_timeout_s=8"], (2, 2, "kill")),
+          ("trainer_killed", "trainer_killed", [*INFLIGHT, "run.collective_timeout_s=8"], (1, 2, "kill"))]
 
 
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("split_killed")
-    with pytest.raises(AssertionError):  # the killed rank's exit status
-        run_distributed(_worker, 4, str(tmp), KILLED, timeout=300)
-    return {r: json.loads(f.read_text()) for r in range(4) if (f := tmp / f"rollout_killed.rank{r}.json").is_file()}
+    for case in KILLED:  # one launch each: the harness stops every rank once one has died
+        with pytest.raises(AssertionError):  # the killed rank's exit status
+            run_distributed(_worker, 4, str(tmp), [case], timeout=300)
+    return {name: {r: json.loads(f.read_text()) for r in range(4) if (f := tmp / f"{name}.rank{r}.json").is_file()}
+            for name, *_ in KILLED}
 
 
 @pytest.fixture(scope="module")
@@ -300,8 +320,19 @@ def test_every_rank_refuses_a_split_it_cannot_run(runs, name, line):
 
 
 def test_a_killed_rollout_rank_stops_every_survivor_with_a_line_naming_it(killed):
+    killed = killed["rollout_killed"]
     assert sorted(killed) == [0, 1, 3]  # rank 2 died by SIGKILL after generating step 2
     for rank, r in killed.items():
         assert r["outcome"] == "aborted", (rank, r)  # not left waiting: the run's harness has a deadline too
         assert r["message"].startswith("rank 2 died or hung: rank ") if rank != 3 else \
             r["message"].startswith("rank 2 died or hung: rank 1 waited for the groups of step 2"), (rank, r)
+
+
+def test_a_killed_trainer_stops_every_survivor_of_an_inflight_run(killed):
+    """Trainer 1 dies by SIGKILL at step 2's update (apply=inflight): trainer 0 fails in their collective
+    and forwards its error to its rollout rank; trainer 1's rollout rank names it."""
+    killed = killed["trainer_killed"]
+    assert sorted(killed) == [0, 2, 3] and all(r["outcome"] == "aborted" for r in killed.values()), killed
+    assert killed[2]["message"] == f"rank 0 raised RuntimeError: {' '.join(killed[0]['message'].split())}", killed
+    assert killed[3]["message"].startswith("rank 1 died or hung: rank 3 waited for the next announce of its trainer"), \
+        killed

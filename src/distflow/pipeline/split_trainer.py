@@ -62,10 +62,15 @@ class SplitTrainer(Trainer):
         return RemoteProbe(self.rollout, self.learner.policy, self.cfg, self.run.pad_id)
 
     def train(self) -> None:
+        """The sync loop; an error here reaches this trainer's rollout set as its line (a RunAborted's
+        own, else naming this rank), so they stop with it instead of waiting out the deadline."""
         try:
             super().train()
         except RunAborted as e:
             self.rollout.abort(str(e))
+            raise
+        except Exception as e:
+            self.rollout.abort(f"rank {self.dist.rank} raised {type(e).__name__}: {' '.join(str(e).split())}")
             raise
 
     def stop_at_start(self) -> bool:
