@@ -13,7 +13,9 @@ kept), loads it and re-prefills every unfinished sample under it, each continuat
 position, index and cut count as carry-over's are. So every token carries the version that
 generated it, none trained at step s is older than s - 1 - eta or newer than s - 1 (version s exists
 only once step s has trained), and which tokens come from which version depends on timing: two runs
-differ, and eta = 0 is not the sync run.
+differ, and eta = 0 is not the sync run. DAPO's dynamic sampling filters without rounds (the rollout
+ranks never wait for each other): every target draws its share x (1 + pipeline.oversample) on every
+rollout rank alike, so their draws stay one stream, and sends the groups whose rewards differ.
 
 Checkpoints and signals are those of the staged mode: each target's message carries the data cursor
 as it was right after the target's positions were drawn, so a checkpoint after step c (targets up to

@@ -117,7 +117,7 @@ class RemoteRollout:
             self.links.send(dst, {"kind": "control", "step": step, "halt": halt, "probe": probe})
 
     def abort(self, line: str) -> None:
-        """Forward this trainer's RunAborted to its rollout set, so they stop with its line."""
+        """Forward this trainer's error to its rollout set, so they stop with its line."""
         self.links.abort(self.rollout_set, line)
 
     def evaluate(self, tag: str = "eval") -> dict[str, float]:

@@ -3,7 +3,7 @@
 The loop is distflow.trainer.Trainer's, unchanged: only what it is built from differs. Its rollout is
 a `RemoteRollout` (groups received, versions published), its engine probe is a `RemoteProbe` (the
 engine that generates is on another rank), and the step boundary also tells the rollout set whether
-the run goes on; a RunAborted on a trainer reaches its rollout set as that line.
+the run goes on; an error on a trainer reaches its rollout set as its line.
 """
 
 from __future__ import annotations
