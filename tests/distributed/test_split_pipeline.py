@@ -49,8 +49,10 @@ CASES = [  # (name, folder, overrides, fault: (rank, step, what) in a rank's gen
     ("eta2_first_half", "eta2_cut", ETA2, (3, 3, "signal")),  # seen where step 3 trains: stops after it
     ("eta2_continued", "eta2_cut", [*ETA2, "checkpoint.resume=force"], None),
     ("inflight", "inflight", INFLIGHT, (0, 3, "delays")),  # every rollout rank slow, trainer 0 late at step 3
-    ("inflight_first_half", "inflight_cut", INFLIGHT, (3, 3, "signal_from")),
-    ("inflight_continued", "inflight_cut", [*INFLIGHT, "checkpoint.resume=force"], None),
+    # one step's groups (3 x 4 samples) in a rollout rank's engine at a time
+    ("inflight_first_half", "inflight_cut", [*INFLIGHT, "pipeline.max_concurrency=12"], (3, 3, "signal_from")),
+    ("inflight_continued", "inflight_cut", [*INFLIGHT, "pipeline.max_concurrency=12", "checkpoint.resume=force"],
+     None),
     ("rollout_raises", "rollout_raises", [*SPLIT, "run.steps=2"], (2, 2, "raise")),
     # trainer 0's version 1 leaves a tensor out: its rollout rank's engine probe fails at step 2
     ("stale_resync", "stale_resync", [*SPLIT, "run.steps=3", "optim.lr=1e-2", "optim.warmup_steps=0",

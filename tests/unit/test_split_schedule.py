@@ -8,7 +8,7 @@ from distflow.config import ConfigError, ModelConfig
 from distflow.distributed import DistInfo
 from distflow.distributed.layout import ParallelLayout
 from distflow.distributed.roles import Roles
-from distflow.pipeline.schedule import engine_version, held_targets, weights_needed
+from distflow.pipeline.schedule import admits, engine_version, held_targets, weights_needed
 from distflow.tasks.sampler import ShardedSampler
 
 
@@ -39,6 +39,13 @@ def test_the_staged_schedule():
     assert [weights_needed(v, 1, 6, inflight=True) for v in (4, 5, 6)] == [True, True, False]  # fresher, in flight
     assert list(held_targets(3, 2, 6)) == [4, 5] and list(held_targets(5, 2, 6)) == [6]
     assert list(held_targets(6, 2, 6)) == [] and list(held_targets(3, 0, 6)) == []
+
+
+def test_an_inflight_rank_admits_a_step_once_its_version_holds_and_its_samples_fit():
+    assert admits(4, 1, 2, 0, 12, None) and not admits(4, 0, 2, 0, 12, None)  # version >= 4 - 1 - 2
+    assert admits(4, 1, 2, 12, 12, None) and admits(4, 1, 2, 12, 12, 24)  # beside the running ones
+    assert not admits(4, 1, 2, 13, 12, 24) and admits(4, 1, 2, 0, 30, 24)  # an empty engine takes it anyway
+    assert not admits(4, 0, 2, 0, 12, 24)  # room alone does not admit it
 
 
 @pytest.mark.parametrize("world,rollout,shard,line", [

@@ -39,8 +39,9 @@ class PipelineConfig:
         0.0, "split with apply=inflight and dynamic sampling: each step draws its prompts x (1 + oversample), scores "
              "every group on the rollout ranks and trains those whose rewards differ. No extra rounds (the ranks "
              "do not wait for each other), so a step trains a varying number of groups.")
-    max_concurrency: Optional[int] = knob(None, "Samples running in the engine at once (carryover; a group's "
-                                                "samples count alike); null: every admitted group at once.")
+    max_concurrency: Optional[int] = knob(None, "Samples running in the engine at once (carryover, and split "
+                                                "with apply=inflight: a step's groups start once they fit; a "
+                                                "group's samples count alike); null: every admitted group at once.")
 
     def checks(self) -> list[tuple[bool, str]]:
         return [

@@ -157,7 +157,9 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
                     "staleness/max": g["staleness/max"],
                     **({f"partial/{k}": g[f"partial/{k}"] for k in PARTIAL_KEYS} if carryover else {})})
     if cfg.pipeline.mode == "split":  # the rollout ranks' time not spent generating (waiting for weights, sending)
-        out["rollout/idle_ratio"] = 1.0 - g["rollout_generate_s"] / max(g["rollout_wall_s"], 1e-9)
+        # at least 1 ms of wall: an inflight rank sends a target finished with the one before it at once
+        wall = g["rollout_wall_s"]
+        out["rollout/idle_ratio"] = max(wall - g["rollout_generate_s"], 0.0) / max(wall, 1e-3)
         if cfg.pipeline.apply == "inflight":  # prompts and responses prefilled again under a version applied
             out["partial/reprefill_tokens"] = g["rollout_reprefill_tokens"]
     if a.dynamic_sampling:

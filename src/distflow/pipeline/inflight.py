@@ -5,7 +5,8 @@ The staged rank (distflow.pipeline.rollout_rank) generates one target at a time 
 only where a target starts, so its engine drains at the end of every target (the step's longest
 sequence) and waits there for the weights. Here the groups of every admissible target run in the
 engine together: target s is admitted once the engine holds version >= s - 1 - eta (the bound), and
-sent once all its groups have finished, targets in order (a step's groups all train at that step).
+sent once all its groups have finished, targets in order (a step's groups all train at that step);
+pipeline.max_concurrency holds a target back until its samples fit (distflow.pipeline.schedule.admits).
 A thread (`StagedVersions`) receives the announces and joins the weight broadcasts as they come,
 into tensors of their own, so the trainer never waits for an engine step; between two engine steps
 the loop takes the newest version received, aborts what runs (tokens, logprobs and their versions
@@ -31,7 +32,7 @@ from typing import Callable
 
 from distflow.algorithms import dynamic_sampling_keep
 from distflow.pipeline.rollout_rank import RolloutRank
-from distflow.pipeline.schedule import engine_version
+from distflow.pipeline.schedule import admits
 from distflow.rollout.base import Request
 from distflow.rollout.driver import continued
 from distflow.rollout.groups import Rollouts
@@ -74,6 +75,10 @@ class InflightGroups:
 
     def running(self) -> bool:
         return bool(self.owner)
+
+    def running_samples(self) -> int:
+        """Samples not finished yet (each runs in the engine: pipeline.max_concurrency counts them)."""
+        return sum(s is None for g in self.groups.values() for s in g.samples)
 
     def step(self) -> None:
         for rid, samples in self.engine.step():
@@ -135,7 +140,8 @@ class InflightRolloutRank(RolloutRank):
         while True:
             if not self.take(self.versions.poll()):
                 return
-            while admitted <= steps and engine.version >= engine_version(admitted, eta):
+            while admitted <= steps and admits(admitted, engine.version, eta, self.live.running_samples(),
+                                               self.draws() * cfg.algorithm.group_size, cfg.pipeline.max_concurrency):
                 drawn[admitted] = self.admit(admitted)
                 admitted += 1
             while self.target < admitted and self.live.done(self.target):
@@ -159,14 +165,18 @@ class InflightRolloutRank(RolloutRank):
         """Draw `target`'s positions (with dynamic sampling its share x (1 + pipeline.oversample), the same
         count on every rollout rank, so their draws stay one stream) and start its groups; its first
         position and the cursor after it."""
-        sampler, draws = self.rollout.sampler, self.rollout.per_rank
-        if self.cfg.algorithm.dynamic_sampling:
-            draws = round(draws * (1 + self.cfg.pipeline.oversample))
+        sampler = self.rollout.sampler
         first = sampler.state_dict()["offset"]
-        positions = sampler.next_positions(draws)
+        positions = sampler.next_positions(self.draws())
         prompts = [list(self.rollout.items[sampler.item(p)].prompt_ids) for p in positions]
         self.live.admit(target, positions, prompts)
         return first, sampler.state_dict()
+
+    def draws(self) -> int:
+        """Prompts a target draws on this rank: its share, with dynamic sampling x (1 + pipeline.oversample)."""
+        if not self.cfg.algorithm.dynamic_sampling:
+            return self.rollout.per_rank
+        return round(self.rollout.per_rank * (1 + self.cfg.pipeline.oversample))
 
     def finished(self, target: int) -> Rollouts:
         """A finished target's groups as sent: with dynamic sampling scored here, and only those whose

@@ -9,10 +9,20 @@ run's, and two runs of one config are identical. eta = 0 is the synchronous sche
 
 from __future__ import annotations
 
+from distflow.rollout.schedule import fits
+
 
 def engine_version(target: int, eta: int) -> int:
     """The version that generates the groups trained at step `target`."""
     return max(0, target - 1 - eta)
+
+
+def admits(target: int, engine_holds: int, eta: int, running: int, samples: int,
+           max_concurrency: int | None) -> bool:
+    """Whether an inflight rollout rank may start `target`'s groups now: its engine holds a version the
+    bound allows, and their `samples` fit beside the `running` ones under pipeline.max_concurrency (an
+    empty engine always takes them). Admitted later, a target only generates with fresher versions."""
+    return engine_holds >= engine_version(target, eta) and fits(running, samples, max_concurrency)
 
 
 def weights_needed(version: int, eta: int, steps: int, inflight: bool = False) -> bool:
