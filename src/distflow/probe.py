@@ -109,12 +109,19 @@ class EngineProbe:
     def after_sync(self, step: int, samples: list[Sample], tokens: TokenBatch) -> float | None:
         """Max |engine - policy| logprob on this step's first sequences (the batch's own rows), after
         the resync; None when this step is not probed."""
+        if (probed := self.probed(step, samples, tokens)) is None:
+            return None
+        seqs, rows = probed
+        return self.check(seqs or [[self.pad_id] * 2], f"step {step}", rows)[0]
+
+    def probed(self, step: int, samples: list[Sample], tokens: TokenBatch) -> tuple[list, TokenBatch | None] | None:
+        """A probed step's first sequences (possibly none) and their rows in the step's batch; None when
+        run.sync_probe_every skips the step (step 1 is always probed)."""
         n, every = self.r.sync_probe_seqs, self.r.sync_probe_every
         if n == 0 or (step % every and step != 1):
             return None
         seqs = [s.prompt_ids + s.response_ids for s in samples[:n]]
-        rows = tokens.whole(list(range(len(seqs)))) if seqs else None
-        return self.check(seqs or [[self.pad_id] * 2], f"step {step}", rows)[0]
+        return seqs, tokens.whole(list(range(len(seqs)))) if seqs else None
 
     def check(self, seqs: list[list[int]], when: str, rows: TokenBatch | None = None,
               mean: bool = False) -> tuple[float, float]:
@@ -127,9 +134,13 @@ class EngineProbe:
         if mean:
             total, count = all_reduce([sum(float(g.sum()) for g in gaps), sum(g.numel() for g in gaps)]).tolist()
             average = total / count if count else float("nan")
+        self.judge(diff, when)
+        return diff, average
+
+    def judge(self, diff: float, when: str) -> None:
+        """Past PROBE_LIMIT: stop the run with the one line (run.allow_engine_mismatch: warn with it)."""
         line = mismatch_line(diff, self.dtype, self.policy.model.config.model_type, when)
         if line and not self.r.allow_engine_mismatch:
             raise RunAborted(line)
         if line:
             log.warning(line)
-        return diff, average

@@ -11,14 +11,15 @@ from __future__ import annotations
 from distflow.distributed import all_reduce, enter_scope
 from distflow.distributed.roles import RoleGroups
 from distflow.errors import RunAborted
+from distflow.pipeline.links import error_line
 from distflow.pipeline.remote import RemoteRollout
-from distflow.probe import mismatch_line, policy_logprobs
+from distflow.probe import EngineProbe, policy_logprobs
 from distflow.run.preemption import StopSignal
 from distflow.startup import Run
 from distflow.trainer import Trainer
 
 
-class RemoteProbe:
+class RemoteProbe(EngineProbe):
     """The engine/policy probe of a split run, taken where the engines are. After a probed step's update
     (run.sync_probe_every) the step's first sequences and the policy's logprobs of them go to the
     rollout set with the step's control; a rollout rank compares its engine's logprobs once its engine
@@ -28,25 +29,23 @@ class RemoteProbe:
     trainer the largest of any rollout rank's, and past PROBE_LIMIT every rank stops with its line."""
 
     def __init__(self, remote: RemoteRollout, policy, cfg, pad_id: int):
-        self.remote, self.policy, self.cfg, self.pad_id = remote, policy, cfg, pad_id
+        super().__init__(None, policy, cfg.run, cfg.model.dtype, pad_id)  # the engines are the rollout ranks'
+        self.remote = remote
 
     def at_start(self, items: list) -> float:
         return 0.0  # the rollout ranks load the policy's checkpoint themselves: the first versions' probes check it
 
     def after_sync(self, step: int, samples, tokens) -> float | None:
-        n, every = self.cfg.run.sync_probe_seqs, self.cfg.run.sync_probe_every
-        if n and samples and not (step % every and step != 1):
-            seqs = [s.prompt_ids + s.response_ids for s in samples[:n]]
-            logprobs = policy_logprobs(self.policy, seqs, self.pad_id, tokens.whole(list(range(len(seqs)))))
+        probed = self.probed(step, samples, tokens)
+        if probed is not None and probed[0]:
+            seqs, rows = probed
+            logprobs = policy_logprobs(self.policy, seqs, self.pad_id, rows)
             self.remote.probe_out = {"version": step, "seqs": seqs, "logprobs": [lp.tolist() for lp in logprobs]}
         gap, self.remote.probe_in = self.remote.probe_in, None
         diff = float(all_reduce(-1.0 if gap is None else gap, op="max")[0])  # every trainer, every step
         if diff < 0:
             return None
-        line = mismatch_line(diff, self.cfg.model.dtype, self.policy.model.config.model_type,
-                             f"step {step}, the rollout ranks' engines")
-        if line and not self.cfg.run.allow_engine_mismatch:
-            raise RunAborted(line)
+        self.judge(diff, f"step {step}, the rollout ranks' engines")
         return diff
 
 
@@ -70,7 +69,7 @@ class SplitTrainer(Trainer):
             self.rollout.abort(str(e))
             raise
         except Exception as e:
-            self.rollout.abort(f"rank {self.dist.rank} raised {type(e).__name__}: {' '.join(str(e).split())}")
+            self.rollout.abort(error_line(self.dist.rank, e))
             raise
 
     def stop_at_start(self) -> bool:
