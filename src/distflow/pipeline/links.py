@@ -23,6 +23,11 @@ KEEP_SENDS = 64  # sends whose buffers stay referenced before the oldest is wait
 
 
 
+def error_line(rank: int, error: BaseException) -> str:
+    """The line a rank forwards to the other role when it stops on an error of its own."""
+    return f"rank {rank} raised {type(error).__name__}: {one_line(error)}"
+
+
 def received(message: dict) -> dict:
     """A message from the other role, or the RunAborted it forwards (a peer stopped on an error)."""
     if message.get("kind") == "abort":

@@ -93,8 +93,8 @@ class RemoteRollout:
                 stats.generated_groups += m["stats"]["generated_groups"]
                 stats.add_failures(m["stats"]["reward_failures"])
                 for key in ("wall_s", "generate_s", "reprefill_tokens"):  # this trainer's rollout set's
-                    seconds = m["stats"].get(key, 0.0)
-                    stats.pipeline[f"rollout_{key}"] = stats.pipeline.get(f"rollout_{key}", 0.0) + seconds
+                    total = stats.pipeline.get(f"rollout_{key}", 0.0)
+                    stats.pipeline[f"rollout_{key}"] = total + m["stats"].get(key, 0.0)
         kept.stats = stats
         return kept
 

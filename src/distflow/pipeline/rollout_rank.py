@@ -26,7 +26,7 @@ from distflow.distributed import enter_scope, shutdown
 from distflow.distributed.roles import RoleGroups
 from distflow.errors import RunAborted
 from distflow.metrics.timer import PhaseTimer
-from distflow.pipeline.links import Links
+from distflow.pipeline.links import Links, error_line
 from distflow.pipeline.schedule import engine_version
 from distflow.pipeline.weights import StagedVersions, WeightReceiver
 from distflow.probe import engine_gaps, largest_gap
@@ -68,18 +68,20 @@ class RolloutRank:
     def train(self) -> None:
         """Generate every target of the run (named as the trainer's, so the recipe runs either); an error
         here reaches the trainers as this rank's line instead of leaving them to wait out the deadline."""
-        # a staged rank applies version v at target v + 1 + eta, so eta versions wait there (inflight: the newest)
-        ahead = max(1, self.cfg.pipeline.max_staleness) if self.cfg.pipeline.apply == "staged" else 1
-        self.versions = StagedVersions(self.receiver, self.cfg.run.steps, self.cfg.run.collective_timeout_s, ahead)
+        self.versions = StagedVersions(self.receiver, self.cfg.run.steps, self.cfg.run.collective_timeout_s,
+                                       self.versions_ahead())
         try:
             self.generate()
         except RunAborted:
             raise
         except Exception as e:
-            line = f"rank {self.rank} raised {type(e).__name__}: {' '.join(str(e).split())}; " \
-                   f"stopped generating step {self.target}"
-            self.links.abort(self.trainers, line)
+            self.links.abort(self.trainers, f"{error_line(self.rank, e)}; stopped generating step {self.target}")
             raise
+
+    def versions_ahead(self) -> int:
+        """Versions received and waiting to be applied, at most: the staged schedule applies version v at
+        target v + 1 + eta, so eta of them wait while the targets before it are generated."""
+        return max(1, self.cfg.pipeline.max_staleness)
 
     def generate(self) -> None:
         """The staged schedule's targets, one after another (see the module docstring)."""
