@@ -83,6 +83,17 @@ def flat(values: list[float]) -> bool:
     return ref > 0 and all(abs(v / ref - 1) <= TOLERANCE for v in values)
 
 
+def counted_run(args, wd, tag: str, w: int, model: str, steps: int, extra: list[str]) -> list[dict]:
+    """One smoke run on `w` ranks under bench/comm_entry.py (`extra`: more overrides); each rank's counts."""
+    out, run_dir = wd / tag, wd / f"run-{tag}"
+    C.fresh(out, run_dir)
+    overrides = ["experiment=smoke", f"model={model}", f"rollout={C.engine(args)}", f"run.steps={steps}",
+                 f"run.output_dir={run_dir}", "checkpoint.resume=never", "logging.plot_at_end=false",
+                 "logging.progress_bar=false", *extra]
+    C.torchrun(C.BENCH / "comm_entry.py", overrides, w, wd / f"{tag}.log", extra_env={"DISTFLOW_COMM_OUT": str(out)})
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(w)]
+
+
 def main() -> None:
     p = C.parser(__doc__.split("\n")[0])
     p.add_argument("--world-sizes", default=None, help="comma list (default 1,2,4 plus 8 if memory allows; --smoke: 1,2)")
@@ -109,16 +120,9 @@ def main() -> None:
     model = C.models(args)[0]  # the smoke experiment's model (tiny); bytes do not depend on the model
 
     def measure(w: int, k: int) -> dict:
-        tag = f"{model}-w{w}" + (f"-tp{k}" if k > 1 else "")
-        out, run_dir = wd / tag, wd / f"run-{tag}"
-        C.fresh(out, run_dir)
         print(f"[comm] world size {w}, tensor_parallel_size {k}", flush=True)
-        overrides = ["experiment=smoke", f"model={model}", f"rollout={C.engine(args)}", f"run.steps={steps}",
-                     f"run.output_dir={run_dir}", "checkpoint.resume=never", f"rollout.tensor_parallel_size={k}",
-                     "logging.plot_at_end=false", "logging.progress_bar=false"]
-        C.torchrun(C.BENCH / "comm_entry.py", overrides, w, wd / f"{tag}.log",
-                   extra_env={"DISTFLOW_COMM_OUT": str(out)})
-        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(w)]
+        ranks = counted_run(args, wd, f"{model}-w{w}" + (f"-tp{k}" if k > 1 else ""), w, model, steps,
+                            [f"rollout.tensor_parallel_size={k}"])
         step_ids = list(range(1, ranks[0]["steps"] + 1))
         rec = {"world_size": w, "tensor_parallel_size": k, "steps": len(step_ids)}
         for key, fn in (("distflow_bytes", distflow_bytes), ("distflow_calls", distflow_calls),
@@ -165,14 +169,8 @@ def roles(args) -> None:
     steps, wd, model = args.steps or 3, C.work_dir(args, "comm_roles"), C.models(args)[0]
     records = []
     for w in sizes:
-        out, run_dir = wd / f"w{w}", wd / f"run-w{w}"
-        C.fresh(out, run_dir)
         print(f"[comm] world size {w}: {w // 2} trainers + {w // 2} rollout ranks", flush=True)
-        overrides = ["experiment=smoke", f"model={model}", f"rollout={C.engine(args)}", f"run.steps={steps}",
-                     f"run.output_dir={run_dir}", "checkpoint.resume=never", "logging.plot_at_end=false",
-                     "logging.progress_bar=false", "pipeline=split", f"pipeline.rollout_ranks={w // 2}"]
-        C.torchrun(C.BENCH / "comm_entry.py", overrides, w, wd / f"w{w}.log", extra_env={"DISTFLOW_COMM_OUT": str(out)})
-        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(w)]
+        ranks = counted_run(args, wd, f"w{w}", w, model, steps, ["pipeline=split", f"pipeline.rollout_ranks={w // 2}"])
         sent = [sum(distflow_bytes(p) for p in r["phases"].values()) / steps for r in ranks]
         records.append({"world_size": w, "trainers": w // 2, "steps": steps,
                         "trainer_bytes_per_step": max(sent[: w // 2]), "rollout_bytes_per_step": max(sent[w // 2:]),

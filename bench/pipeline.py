@@ -17,8 +17,8 @@ Per mode: step, generate (the generating ranks'), update and publish seconds, th
 collectives and for the step's groups (timing/recv_wait_s), the rollout ranks' idle ratio
 (rollout/idle_ratio), staleness mean/max, trained samples/s and its ratio vs sync, and the model's ratio
 from the measured parts: sync S = T_batch(W) + t, split eta = 0: T_batch(R) + t + r, eta >= 1:
-max(T_batch(R), t + r) (inflight too), t the trainers' own step time (sync's step - generate), r the publish, T_batch(R)
-the emulated time plus sync's real generate time scaled by the sequences per rank.
+max(T_batch(R), t + r) (inflight too), t the trainers' own step time (sync's step - generate), r the
+publish, T_batch(R) the emulated time plus sync's real generate time scaled by the sequences per rank.
 
     .venv/bin/python bench/pipeline.py --engine-time 0.02,0.0005
     .venv/bin/python bench/pipeline.py                          # real CPU engines only
