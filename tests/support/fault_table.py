@@ -467,6 +467,13 @@ FAULTS: list[Fault] = [
           "nothing was started", "Add `pipeline.apply=inflight` (with `algorithm=dapo`), or drop the key.",
           _config({"pipeline": {"mode": "split", "rollout_ranks": 1, "oversample": 0.5},
                    "algorithm": {"dynamic_sampling": True}})),
+    Fault("config-split-inflight-tensor-parallel", "config",
+          "`pipeline.apply=inflight` with `rollout.tensor_parallel_size` > 1",
+          (E + "pipeline.apply=inflight with rollout.tensor_parallel_size=2: the ranks of an engine would apply each "
+               "version where it reaches them, not at one engine step; use pipeline.apply=staged",),
+          "nothing was started", "Use `pipeline.apply=staged`, or one rank per engine.",
+          _config({"pipeline": {"mode": "split", "rollout_ranks": 2, "apply": "inflight"},
+                   "rollout": {"engine": "vllm", "tensor_parallel_size": 2}})),
     Fault("config-split-validation", "config", "held-out validation in a split run",
           (E + "pipeline.mode=split does not run held-out validation (validation.*) yet: use pipeline.mode=sync or "
                "carryover",),

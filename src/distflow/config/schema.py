@@ -138,10 +138,15 @@ def _split_rules(cfg: DistflowConfig) -> list[tuple[bool, str]]:
         (cfg.validation.wanted, "held-out validation (validation.*)"),
         (cfg.task.has_reward_models, "reward models and judges (task.reward_models, task.judges)"),
         (cfg.model.lora.enabled and cfg.model.lora.resync == "adapter", "model.lora.resync=adapter"),
-        (cfg.rollout.tensor_parallel_size > 1, "rollout.tensor_parallel_size > 1"),
     ]
-    return [(not bool(used), f"pipeline.mode=split does not run {what} yet: use pipeline.mode=sync or carryover")
-            for used, what in unsupported]
+    rules = [(not bool(used), f"pipeline.mode=split does not run {what} yet: use pipeline.mode=sync or carryover")
+             for used, what in unsupported]
+    # the ranks of a tensor-parallel engine make the same engine calls in the same order: a staged rank's
+    # applications are fixed by the schedule, an inflight rank's by when each version arrives
+    k = cfg.rollout.tensor_parallel_size
+    return rules + [(k == 1 or cfg.pipeline.apply == "staged",
+                     f"pipeline.apply=inflight with rollout.tensor_parallel_size={k}: the ranks of an engine would "
+                     "apply each version where it reaches them, not at one engine step; use pipeline.apply=staged")]
 
 
 def config_record(cfg: DistflowConfig, auto: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -96,6 +96,7 @@ def take_roles(layout: ParallelLayout, backend: str) -> RoleGroups:
     # the layout's groups too, on every rank and in this order, before any model loads
     layout.fsdp_mesh
     layout.replica_group
+    layout.engine_group  # tensor-parallel engines: the trainers' (asleep) and the rollout ranks'
     mine = roles.role_ranks(rank)
     enter_scope(RoleScope(groups[roles.is_trainer(rank)], mine, mine.index(rank)))
     return RoleGroups(roles, rank, groups[roles.is_trainer(rank)], weight_groups, link_group)

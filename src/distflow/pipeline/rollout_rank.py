@@ -52,8 +52,8 @@ class RolloutRank:
             log.info(f"rollout rank {self.dist.rank} of {self.dist.world_size}: loading {cfg.model.path} into the "
                      f"{cfg.rollout.engine} engine; weights from trainer {self.publisher}")
             per_rank = cfg.data.prompts_per_rank * roles.trainers // roles.rollout_ranks
-            self.rollout = Rollout(cfg, self.dist, self.task, run.tokenizer, run.plan.model_path, None, self.timer,
-                                   per_rank)
+            self.rollout = Rollout(cfg, self.dist, self.task, run.tokenizer, run.plan.model_path,
+                                   run.plan.layout.engine_group, self.timer, per_rank)
         timeout = cfg.run.collective_timeout_s
         self.links = Links(groups.link_group, self.rank, timeout)
         self.receiver = WeightReceiver(self.links, self.publisher, groups.weight_groups[self.publisher],
@@ -141,8 +141,12 @@ class RolloutRank:
         wanted = self.probe_wanted
         if wanted is None or self.rollout.engine.version != wanted["version"]:
             return
+        # every probed version comes to every rank, with no sequences where its trainer had none: the ranks
+        # of a tensor-parallel engine call it together
         gaps = engine_gaps(self.rollout, wanted["seqs"], [torch.tensor(lp) for lp in wanted["logprobs"]])
-        self.probe_gap, self.probe_wanted = max(self.probe_gap or 0.0, largest_gap(gaps)), None
+        if wanted["seqs"]:
+            self.probe_gap = max(self.probe_gap or 0.0, largest_gap(gaps))
+        self.probe_wanted = None
 
     def apply(self, announce: dict, tensors: list | None) -> None:
         """A version as staged: its weights into the engine (None: announced without them)."""

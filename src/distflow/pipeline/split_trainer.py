@@ -37,9 +37,9 @@ class RemoteProbe(EngineProbe):
 
     def after_sync(self, step: int, samples, tokens) -> float | None:
         probed = self.probed(step, samples, tokens)
-        if probed is not None and probed[0]:
+        if probed is not None:  # sent with no sequences too: a tensor-parallel group's ranks all join the probe
             seqs, rows = probed
-            logprobs = policy_logprobs(self.policy, seqs, self.pad_id, rows)
+            logprobs = policy_logprobs(self.policy, seqs, self.pad_id, rows) if seqs else []
             self.remote.probe_out = {"version": step, "seqs": seqs, "logprobs": [lp.tolist() for lp in logprobs]}
         gap, self.remote.probe_in = self.remote.probe_in, None
         diff = float(all_reduce(-1.0 if gap is None else gap, op="max")[0])  # every trainer, every step
