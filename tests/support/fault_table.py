@@ -467,6 +467,11 @@ FAULTS: list[Fault] = [
           "nothing was started", "Add `pipeline.apply=inflight` (with `algorithm=dapo`), or drop the key.",
           _config({"pipeline": {"mode": "split", "rollout_ranks": 1, "oversample": 0.5},
                    "algorithm": {"dynamic_sampling": True}})),
+    Fault("config-late-staged", "config", "`pipeline.late=retarget` without `pipeline.apply=inflight`",
+          (E + "pipeline.late=retarget needs pipeline.apply=inflight (a staged rank's steps are reproducible: it "
+               "waits for every group)",),
+          "nothing was started", "Add `pipeline.apply=inflight`, or drop the key.",
+          _config({"pipeline": {"mode": "split", "rollout_ranks": 1, "late": "retarget"}})),
     Fault("config-split-inflight-tensor-parallel", "config",
           "`pipeline.apply=inflight` with `rollout.tensor_parallel_size` > 1",
           (E + "pipeline.apply=inflight with rollout.tensor_parallel_size=2: the ranks of an engine would apply each "

@@ -83,3 +83,42 @@ def test_a_version_applied_while_samples_run_continues_them_under_it(engine):
         assert engine.pending() == 0
     finally:
         engine.load_weights(iter(original.items()), 0)
+
+
+def _late_groups(engine) -> InflightGroups:
+    """Target 2's groups: position 0 admitted first under version 0, position 2 five engine steps later
+    (still version 0), position 6 with it under version 1; stepped until position 0 alone has finished."""
+    live = InflightGroups(engine, SEED, G, BUDGET)
+    engine.version = 0
+    _admit(live, 2, [0])
+    for _ in range(5):
+        live.step()
+    _admit(live, 2, [2])
+    engine.version = 1
+    _admit(live, 2, [6])
+    assert live.late(2, 1, 4, "retarget") == live.late(2, 1, 4, "drop") == 0  # none finished: the step waits
+    while None in live.groups[0].samples:
+        live.step()
+    assert None in live.groups[2].samples and None in live.groups[6].samples
+    return live
+
+
+def test_late_groups_move_to_the_next_step_only_where_the_bound_still_holds(engine):
+    """pipeline.late=retarget at eta = 1: step 2 is due with one group finished. The group started under
+    version 1 moves to step 3 (1 >= 3 - 1 - 1); the one started under version 0 stays, and the step waits
+    for it; nothing moves past the run's last step. Until sent, a moved group is named for resumes."""
+    live = _late_groups(engine)
+    assert live.late(2, 1, 2, "retarget") == 0  # step 2 is the run's last
+    assert live.late(2, 1, 4, "retarget") == 1 and live.groups[6].target == 3 and live.groups[2].target == 2
+    assert live.late(2, 1, 4, "retarget") == 0 and not live.done(2)
+    _finish(live)
+    assert live.take(2)[0] == [0, 2] and live.undelivered(2) == [6]
+    positions, samples = live.take(3)
+    assert positions == [6] and set(samples[0].versions) == {1} and live.undelivered(3) == []
+
+
+def test_late_groups_dropped_are_aborted_and_never_sent(engine):
+    live = _late_groups(engine)
+    assert live.late(2, 1, 4, "drop") == 2 and live.done(2) and not live.running() and engine.pending() == 0
+    positions, samples = live.take(2)
+    assert positions == [0] and len(samples) == G and live.undelivered(2) == []

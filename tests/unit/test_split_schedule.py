@@ -8,7 +8,7 @@ from distflow.config import ConfigError, ModelConfig
 from distflow.distributed import DistInfo
 from distflow.distributed.layout import ParallelLayout
 from distflow.distributed.roles import Roles
-from distflow.pipeline.schedule import admits, engine_version, held_targets, weights_needed
+from distflow.pipeline.schedule import admits, dealt_retries, engine_version, held_targets, weights_needed
 from distflow.tasks.sampler import ShardedSampler
 
 
@@ -46,6 +46,17 @@ def test_an_inflight_rank_admits_a_step_once_its_version_holds_and_its_samples_f
     assert admits(4, 1, 2, 12, 12, None) and admits(4, 1, 2, 12, 12, 24)  # beside the running ones
     assert not admits(4, 1, 2, 13, 12, 24) and admits(4, 1, 2, 0, 30, 24)  # an empty engine takes it anyway
     assert not admits(4, 0, 2, 0, 12, 24)  # room alone does not admit it
+
+
+def test_positions_moved_past_a_checkpoint_are_dealt_to_the_resumed_ranks_once_each():
+    """pipeline.late=retarget: the saved cursors name positions to draw again. A trainer resumed on its own
+    state deals its cursors' over its rollout set; resized, every trainer reads every cursor and deals
+    them over all rollout ranks, taking its set's share: together each position once."""
+    saved = [{"offset": 30, "retry": [25, 7]}, {"offset": 30, "retry": [12]}, {"offset": 30}]
+    assert dealt_retries(saved[:1], [2], [2]) == {2: [7, 25]}
+    pooled = [dealt_retries(saved, [3, 4, 5], mine) for mine in ([3, 5], [4])]  # R = 3 ranks, T = 2 trainers
+    assert pooled == [{3: [7], 5: [25]}, {4: [12]}]
+    assert dealt_retries(saved[2:], [2, 3], [2, 3]) == {2: [], 3: []}
 
 
 @pytest.mark.parametrize("world,rollout,shard,line", [

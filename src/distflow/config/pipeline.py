@@ -39,6 +39,12 @@ class PipelineConfig:
         0.0, "split with apply=inflight and dynamic sampling: each step draws its prompts x (1 + oversample), scores "
              "every group on the rollout ranks and trains those whose rewards differ. No extra rounds (the ranks "
              "do not wait for each other), so a step trains a varying number of groups.")
+    late: Literal["wait", "retarget", "drop"] = knob(
+        "wait", "split with apply=inflight: a step's groups still running when the trainers are ready for it (they "
+                "hold version s - 1) and one of its groups has finished. wait: the step waits for them. retarget: "
+                "those started with version >= s - eta train at step s + 1 instead (the bound still holds; the "
+                "others are waited for). drop: they are aborted and never trained (their prompts are skipped: a "
+                "length bias). Both make a step's number of groups vary.")
     max_concurrency: Optional[int] = knob(None, "Samples running in the engine at once (carryover, and split "
                                                 "with apply=inflight: a step's groups start once they fit; a "
                                                 "group's samples count alike); null: every admitted group at once.")
@@ -56,6 +62,9 @@ class PipelineConfig:
              f"{self.rollout_ranks}"),
             (self.mode == "split" or self.apply == "staged",
              f"pipeline.apply={self.apply} needs pipeline.mode=split (the rollout ranks apply the versions)"),
+            (self.late == "wait" or self.apply == "inflight",
+             f"pipeline.late={self.late} needs pipeline.apply=inflight (a staged rank's steps are reproducible: it "
+             "waits for every group)"),
             (self.oversample >= 0, f"pipeline.oversample must be >= 0, got {self.oversample}"),
             (self.max_concurrency is None or self.max_concurrency >= 1,
              f"pipeline.max_concurrency must be >= 1 (or null), got {self.max_concurrency}"),

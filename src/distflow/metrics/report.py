@@ -162,6 +162,8 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
         out["rollout/idle_ratio"] = max(wall - g["rollout_generate_s"], 0.0) / max(wall, 1e-3)
         if cfg.pipeline.apply == "inflight":  # prompts and responses prefilled again under a version applied
             out["partial/reprefill_tokens"] = g["rollout_reprefill_tokens"]
+        if cfg.pipeline.late != "wait":  # groups moved to the next step, or dropped, when their step was due
+            out["partial/late_groups"] = g["rollout_late_groups"]
     if a.dynamic_sampling:
         out["dynamic_sampling/kept_groups"] = g["kept_groups"]
         out["dynamic_sampling/generated_groups"] = g["generated_groups"]
@@ -171,7 +173,8 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
 
 
 PARTIAL_KEYS = ("carried_groups", "carried_tokens", "reprefill_tokens", "forced_groups")
-SPLIT_SUMS = ("rollout_wall_s", "rollout_generate_s", "rollout_reprefill_tokens")  # from the rollout ranks' stats
+# from the rollout ranks' stats (distflow.pipeline.remote.SUMMED)
+SPLIT_SUMS = ("rollout_wall_s", "rollout_generate_s", "rollout_reprefill_tokens", "rollout_late_groups")
 
 
 def token_ages(step: int, samples: list) -> list[int]:

@@ -16,12 +16,15 @@ generated it, none trained at step s is older than s - 1 - eta or newer than s -
 only once step s has trained), and which tokens come from which version depends on timing: two runs
 differ, and eta = 0 is not the sync run. DAPO's dynamic sampling filters without rounds (the rollout
 ranks never wait for each other): every target draws its share x (1 + pipeline.oversample) on every
-rollout rank alike, so their draws stay one stream, and sends the groups whose rewards differ.
+rollout rank alike, so their draws stay one stream, and sends the groups whose rewards differ. Where a
+target is due (the trainers hold version s - 1) with groups still running, pipeline.late may move those
+the bound allows to the next target (`retarget`) or abort them (`drop`) once one of its groups is done.
 
 Checkpoints and signals are those of the staged mode: each target's message carries the data cursor
 as it was right after the target's positions were drawn, so a checkpoint after step c (targets up to
 c + eta, sent already) resumes before target c + eta + 1, which a stopping rank drops unsent and the
-resumed run draws again.
+resumed run draws again; the cursor also names the positions drawn before it that were moved on and
+not sent yet (`retry`), which the resumed run draws first.
 """
 
 from __future__ import annotations
@@ -43,8 +46,10 @@ from distflow.seeds import sample_seed
 
 @dataclass
 class _Group:
-    target: int
+    target: int  # the step that trains it (pipeline.late=retarget may move it one step on)
     position: int
+    start: int  # the engine's version when it was admitted (the oldest of its tokens)
+    drawn: int  # the target it was drawn for: until sent, a checkpoint must draw it again
     samples: list[Sample | None]  # None: still running
     before: list[Sample | None]  # each sample as far as it got before its last cut (None: never cut)
     requests: dict[str, list[int]]  # request id -> the sample indices it generates
@@ -66,7 +71,8 @@ class InflightGroups:
         g = self.group_size
         for position, prompt in zip(positions, prompts):
             rid = str(position)
-            self.groups[position] = _Group(target, position, [None] * g, [None] * g, {rid: list(range(g))})
+            self.groups[position] = _Group(target, position, self.engine.version, target, [None] * g, [None] * g,
+                                           {rid: list(range(g))})
             self._submit(Request(rid, list(prompt), g, sample_seed(self.seed, position)), position)
 
     def _submit(self, request: Request, position: int) -> None:
@@ -108,6 +114,33 @@ class InflightGroups:
                                      max_tokens=self.budget - len(s.response_ids)), group.position)
                 self.reprefilled += len(s.prompt_ids) + len(s.response_ids)
 
+    def late(self, target: int, eta: int, last: int, rule: str) -> int:
+        """pipeline.late for `target`, due now (the trainers hold version target - 1) but still running: once
+        one of its groups has finished, `retarget` moves the running ones that started with version
+        >= target - eta to target + 1 (the bound holds there too; none past the run's `last` step), `drop`
+        aborts them. Returns the groups moved or dropped."""
+        mine = [grp for grp in self.groups.values() if grp.target == target]
+        if not any(None not in grp.samples for grp in mine):
+            return 0
+        running = [grp for grp in mine if None in grp.samples]
+        if rule == "retarget":
+            moved = [grp for grp in running if target < last and grp.start >= target - eta]
+            for grp in moved:
+                grp.target = target + 1
+            return len(moved)
+        rids = [rid for grp in running for rid in grp.requests]
+        self.engine.abort(rids)
+        for rid in rids:
+            del self.owner[rid]
+        for grp in running:
+            del self.groups[grp.position]
+        return len(running)
+
+    def undelivered(self, target: int) -> list[int]:
+        """Positions drawn for `target` or before that are not sent yet (moved to a later target): a
+        checkpoint that holds `target` must have them drawn again."""
+        return sorted(p for p, grp in self.groups.items() if grp.drawn <= target)
+
     def done(self, target: int) -> bool:
         return all(s is not None for g in self.groups.values() if g.target == target for s in g.samples)
 
@@ -138,7 +171,8 @@ class InflightRolloutRank(RolloutRank):
             first, tensors = self.versions.wait()
             self.take([(first, tensors)])
             self.start_from(first)
-        admitted, drawn, busy = self.target, {}, 0.0  # drawn: target -> (its first position, the cursor after it)
+        admitted, busy, late = self.target, 0.0, 0
+        drawn: dict[int, tuple[int, dict]] = {}  # target -> its first position, the cursor after it
         self.timer.new_step(self.target)
         while True:
             if not self.take(self.versions.poll()):
@@ -147,11 +181,15 @@ class InflightRolloutRank(RolloutRank):
                                                self.draws() * cfg.algorithm.group_size, cfg.pipeline.max_concurrency):
                 drawn[admitted] = self.admit(admitted)
                 admitted += 1
+            if cfg.pipeline.late != "wait" and self.target < admitted and self.version >= self.target - 1:
+                late += self.live.late(self.target, eta, steps, cfg.pipeline.late)  # the trainers wait for it
             while self.target < admitted and self.live.done(self.target):
                 kept = self.finished(self.target)
                 first, cursor = drawn.pop(self.target)
-                self.send(self.target, kept, first, busy, cursor, self.live.reprefilled)
-                self.live.reprefilled, busy = 0, 0.0
+                cursor = {**cursor, "retry": self.live.undelivered(self.target)}  # moved on: drawn again on resume
+                self.send(self.target, kept, first, busy, cursor,
+                          {"reprefill_tokens": self.live.reprefilled, "late_groups": late})
+                self.live.reprefilled, busy, late = 0, 0.0, 0
                 self.target += 1
                 self.timer.new_step(self.target)
             if self.live.running():
@@ -166,11 +204,11 @@ class InflightRolloutRank(RolloutRank):
 
     def admit(self, target: int) -> tuple[int, dict]:
         """Draw `target`'s positions (with dynamic sampling its share x (1 + pipeline.oversample), the same
-        count on every rollout rank, so their draws stay one stream) and start its groups; its first
-        position and the cursor after it."""
+        count on every rollout rank, so their draws stay one stream; after a resume, first the positions
+        the checkpoint's step had moved on) and start its groups; its first position and the cursor after it."""
         sampler = self.rollout.sampler
         first = sampler.state_dict()["offset"]
-        positions = sampler.next_positions(self.draws())
+        positions, self.retry = [*self.retry, *sampler.next_positions(self.draws())], []
         prompts = [list(self.rollout.items[sampler.item(p)].prompt_ids) for p in positions]
         self.live.admit(target, positions, prompts)
         return first, sampler.state_dict()

@@ -23,11 +23,14 @@ from distflow.config import ConfigError, DistflowConfig
 from distflow.distributed.roles import RoleGroups
 from distflow.errors import RunAborted
 from distflow.pipeline.links import Links, received
-from distflow.pipeline.schedule import held_targets, weights_needed
+from distflow.pipeline.schedule import dealt_retries, held_targets, weights_needed
 from distflow.pipeline.weights import WeightPublisher
 from distflow.rollout import Rollout
 from distflow.rollout.groups import RolloutStats, Rollouts
 from distflow.sample import sample_from_data, sample_to_data
+
+
+SUMMED = ("wall_s", "generate_s", "reprefill_tokens", "late_groups")  # a rollout rank's stats the metrics sum
 
 
 class RemoteRollout:
@@ -92,7 +95,7 @@ class RemoteRollout:
             if m["stats"] is not None:
                 stats.generated_groups += m["stats"]["generated_groups"]
                 stats.add_failures(m["stats"]["reward_failures"])
-                for key in ("wall_s", "generate_s", "reprefill_tokens"):  # this trainer's rollout set's
+                for key in SUMMED:  # this trainer's rollout set's
                     total = stats.pipeline.get(f"rollout_{key}", 0.0)
                     stats.pipeline[f"rollout_{key}"] = total + m["stats"].get(key, 0.0)
         kept.stats = stats
@@ -144,7 +147,7 @@ class RemoteRollout:
         """The same trainers as the run that wrote it: its groups in flight as they were dealt. The rollout
         ranks may differ in number: every data cursor is the one global stream offset (ShardedSampler)."""
         self.inbox = {int(t): [_from_data(m) for m in messages] for t, messages in state["inbox"].items()}
-        self._take_cursors(list(state["cursors"].values()))
+        self._take_cursors(list(state["cursors"].values()), self.rollout_set)
 
     def load_pooled(self, states: list[dict]) -> None:
         """A resume on another number of trainers: every saving trainer's groups in flight, dealt to this
@@ -155,7 +158,8 @@ class RemoteRollout:
             for t, saved in state["inbox"].items():
                 messages.setdefault(int(t), []).extend(saved)
         self.inbox = {t: self._dealt(t, ms) for t, ms in sorted(messages.items())}
-        self._take_cursors([c for state in states for c in state["cursors"].values()])
+        self._take_cursors([c for state in states for c in state["cursors"].values()],
+                           list(range(self.roles.trainers, self.roles.world_size)))
 
     def _dealt(self, target: int, messages: list[dict]) -> list[dict]:
         """The saved messages of `target` with this trainer's groups only; their stats stay on trainer 0
@@ -171,12 +175,17 @@ class RemoteRollout:
         return [_from_data({**m, "groups": mine(m), "stats": m["stats"] if self.rank == 0 else None, "cursor": None})
                 for m in messages]
 
-    def _take_cursors(self, saved: list[dict]) -> None:
-        """This trainer's rollout set's data cursors: the saved ones agree (one global stream offset)."""
+    def _take_cursors(self, saved: list[dict], dealt_over: list[int]) -> None:
+        """This trainer's rollout set's data cursors: the saved ones agree (one global stream offset). The
+        positions they name to draw again (pipeline.late=retarget moved them past the checkpoint) are
+        dealt over `dealt_over` (this trainer's set, or every rollout rank when every trainer reads every
+        saved cursor: distflow.pipeline.schedule.dealt_retries)."""
         if len({c["offset"] for c in saved}) != 1:
             raise ConfigError(f"the checkpoint's rollout cursors disagree ({sorted({c['offset'] for c in saved})}): "
                               "it is not a split run's checkpoint this distflow can resume")
-        self.cursors = {dst: dict(saved[0]) for dst in self.rollout_set}
+        cursor = {k: v for k, v in saved[0].items() if k != "retry"}
+        retries = dealt_retries(saved, dealt_over, self.rollout_set)
+        self.cursors = {dst: {**cursor, "retry": retries[dst]} for dst in self.rollout_set}
         self.resumed = True
 
 

@@ -62,6 +62,7 @@ class RolloutRank:
         self.probe_wanted: dict | None = None  # a probed version's sequences and policy logprobs
         self.probe_gap: float | None = None  # the largest gap measured since the last send
         self.stopped: Stopped | None = None
+        self.retry: list[int] = []  # after a resume: positions to draw again first (distflow.pipeline.inflight)
         self.sent_at = time.perf_counter()  # the end of the last send: each target's share of wall time starts there
 
     # ----------------------------------------------------------------- the loop
@@ -110,7 +111,9 @@ class RolloutRank:
 
     def start_from(self, first: dict) -> None:
         """Where a resume goes on: the data cursor and first target its first announce carries."""
-        self.rollout.sampler.load_state_dict(first["cursor"])
+        cursor = dict(first["cursor"])
+        self.retry = cursor.pop("retry", [])  # positions drawn before the cursor, not trained (pipeline.late)
+        self.rollout.sampler.load_state_dict(cursor)
         self.target = first["next"]
         log.info(f"resumed at version {self.version}: generating from step {self.target}")
 
@@ -156,12 +159,12 @@ class RolloutRank:
         self.version = announce["version"]
 
     def send(self, target: int, kept: Rollouts, first: int, generate_s: float, cursor: dict | None = None,
-             reprefill_tokens: int = 0) -> None:
+             counts: dict[str, int] | None = None) -> None:
         """Each trainer its groups of `target` (whose stream positions start at `first`); its publisher
         also this rank's counts, its data cursor (`cursor`: the sampler's just after it drew `target`'s
         positions; None: now), and the seconds since the previous send with the part of them it
-        generated (the rest it waited for weights or sent: `rollout/idle_ratio`), and the tokens it
-        prefilled again after applying versions in flight (distflow.pipeline.inflight)."""
+        generated (the rest it waited for weights or sent: `rollout/idle_ratio`), and `counts` summed
+        over the rollout ranks (inflight: tokens prefilled again, groups retargeted or dropped)."""
         cursor = self.rollout.sampler.state_dict() if cursor is None else cursor
         g = self.cfg.algorithm.group_size
         shares: dict[int, list] = {t: [] for t in self.trainers}
@@ -172,7 +175,7 @@ class RolloutRank:
         now = time.perf_counter()
         stats = {"generated_groups": kept.stats.generated_groups, "reward_failures": kept.stats.reward_failures,
                  "wall_s": now - self.sent_at, "generate_s": generate_s,
-                 "reprefill_tokens": float(reprefill_tokens)}
+                 **{k: float(v) for k, v in (counts or {}).items()}}
         signal = self.stop_signal.name is not None
         for t in self.trainers:
             mine = t == self.publisher

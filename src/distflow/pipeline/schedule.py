@@ -35,3 +35,11 @@ def weights_needed(version: int, eta: int, steps: int, inflight: bool = False) -
 def held_targets(step: int, eta: int, steps: int) -> range:
     """The targets a checkpoint at `step` holds as data: generated already, not trained yet."""
     return range(step + 1, min(step + eta, steps) + 1)
+
+
+def dealt_retries(saved: list[dict], dealt_over: list[int], mine: list[int]) -> dict[int, list[int]]:
+    """The positions that saved data cursors name to draw again (pipeline.late=retarget moved them past a
+    checkpoint), dealt in stream order over the rollout ranks `dealt_over`: each rank of `mine` (among
+    them) and its share. Any rollout rank can generate any position, so a resume on other ranks loses none."""
+    retry = sorted(p for cursor in saved for p in cursor.get("retry", []))
+    return {r: retry[dealt_over.index(r)::len(dealt_over)] for r in mine}
