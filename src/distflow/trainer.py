@@ -30,7 +30,7 @@ from pathlib import Path
 from distflow.checkpoint.checkpointer import POLICY, Checkpointer
 from distflow.checkpoint.export import export_live
 from distflow.config import DistflowConfig
-from distflow.distributed import all_reduce, one_rank_may_fail, rank_and_world, shutdown, waited_s
+from distflow.distributed import DistInfo, all_reduce, one_rank_may_fail, rank_and_world, shutdown, waited_s
 from distflow.errors import RunAborted
 from distflow.metrics.report import Reporter, StepRecord
 from distflow.metrics.timer import PhaseTimer
@@ -74,7 +74,7 @@ class Trainer:
             self.model_rewards = ModelRewards(cfg, run.plan.layout, run.plan.scorer_paths, self.timer.phase) \
                 if cfg.task.has_reward_models else None
             self.probe = self.build_probe()
-            self.validator = Validator(cfg.validation, cfg.run.steps, self.rollout.evaluate)
+            self.validator = Validator(cfg.validation, cfg.run.steps, self.evaluate)
             self.step, self.nonfinite_streak = 0, 0
             self.last_metrics: dict[str, float] = {}
             self.checkpointer = Checkpointer(self.run_dir.checkpoints, cfg.checkpoint.keep_last, self.dist.rank)
@@ -86,10 +86,11 @@ class Trainer:
         c = cfg.checkpoint
         self.boundary = StepBoundary(c.every, c.every_s, c.at_end)
 
-    def build_rollout(self) -> Rollout:
+    def build_rollout(self, dist: DistInfo | None = None) -> Rollout:
+        """This rank's rollout; `dist`: the ranks its data and held-out items are sharded over (default: all)."""
         run = self.run
-        return Rollout(self.cfg, self.dist, self.task, run.tokenizer, run.plan.model_path, run.plan.layout.engine_group,
-                       self.timer)
+        return Rollout(self.cfg, dist or self.dist, self.task, run.tokenizer, run.plan.model_path,
+                       run.plan.layout.engine_group, self.timer)
 
     def build_probe(self) -> EngineProbe:
         return EngineProbe(self.rollout, self.learner.policy, self.cfg.run, self.cfg.model.dtype, self.run.pad_id)
@@ -158,6 +159,10 @@ class Trainer:
                  self.run.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
         scores, sums = self.model_rewards(rollouts.items, samples, texts, self.cfg.algorithm.group_size)
         return rewards + scores.view_as(rewards), sums
+
+    def evaluate(self, tag: str) -> dict[str, float]:
+        """One held-out evaluation (distflow.rollout.evaluation.Validator says when) on this rank's engine."""
+        return self.rollout.evaluate(tag)
 
     # ----------------------------------------------------------------- weights
     def sync_weights(self) -> None:

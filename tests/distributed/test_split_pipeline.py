@@ -1,8 +1,9 @@
 """Role-split runs (pipeline.mode=split) end to end, in-process on 4 real gloo ranks (2 train, 2
 generate; tiny model, the hf engine), against sync runs on 2 ranks:
 
-- eta = 0 is the sync run on the trainers' count of ranks bit for bit (every metric, the final
-  weights); DAPO's dynamic sampling runs on the rollout ranks at eta = 1;
+- eta = 0 is the sync run on the trainers' count of ranks bit for bit (every metric, held-out
+  validation's on the trainers' own engines too, the final weights); DAPO's dynamic sampling runs on
+  the rollout ranks at eta = 1;
 - the staged schedule: at eta = 1 and 2 every trained token is exactly eta versions older than the
   sync run's, and a run stopped by a signal to a rollout rank with groups generated for later steps,
   then resumed, equals one run straight through (so two runs of a config are identical); resumed on
@@ -42,9 +43,11 @@ ETA2 = [*SPLIT, "pipeline.max_staleness=2", "run.steps=6"]
 # DAPO: 4 prompts a step drawn x 1.5 = 6, scored on the rollout ranks, those whose rewards differ trained
 INFLIGHT = [*SPLIT, "pipeline.apply=inflight", "pipeline.max_staleness=1", "run.steps=5", "algorithm=dapo",
             "pipeline.oversample=0.5"]
-REFERENCE = [("sync_ref", "sync_ref", ["run.steps=3"], None)]
+# held-out validation after step 2 and at the end, on tmp/heldout.jsonl (_run_one): split runs it on the trainers
+VALIDATE = ["validation.every=2", "validation.at_end=true", "validation.pass_k=2"]
+REFERENCE = [("sync_ref", "sync_ref", ["run.steps=3", *VALIDATE], None)]
 CASES = [  # (name, folder, overrides, fault: (rank, step, what) in a rank's generation)
-    ("split_eta0", "split_eta0", [*SPLIT, "run.steps=3"], None),
+    ("split_eta0", "split_eta0", [*SPLIT, "run.steps=3", *VALIDATE], None),
     ("dapo_eta1", "dapo_eta1", [*SPLIT, "algorithm=dapo", "run.steps=3", "pipeline.max_staleness=1"], None),
     ("eta2_straight", "eta2_straight", ETA2, None),
     ("eta2_first_half", "eta2_cut", ETA2, (3, 3, "signal")),  # seen where step 3 trains: stops after it
@@ -139,6 +142,8 @@ def _run_one(rank: int, overrides: list[str], out: Path, fault) -> dict:
     from distflow.job import build_job
 
     observers = _observers(rank, fault)
+    if any(o.startswith("validation.") for o in overrides):
+        overrides = [*overrides, f"task.heldout_path={out.parent / 'heldout.jsonl'}"]
     try:
         job = build_job(compose([*BASE, *overrides, f"run.output_dir={out}"]), observers)
     except ConfigError as e:
@@ -200,6 +205,8 @@ def killed(tmp_path_factory, tiny_model_dir):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("split")
+    (tmp / "heldout.jsonl").write_text("".join(f'{{"prompt": "What is {a} + {a}?", "answer": "{2 * a}"}}\n'
+                                               for a in range(5)))  # 3 items on trainer 0, 2 on trainer 1
     resized = [("eta2_resized", "eta2_resized", [*ETA2, f"checkpoint.resume={tmp / 'eta2_step3'}"], None)]
     return {**run_distributed(_worker, 2, str(tmp), REFERENCE, timeout=600),
             **run_distributed(_worker, 4, str(tmp), CASES, timeout=900),
@@ -213,15 +220,20 @@ def _rows(runs, name, steps):
     return r["rows"]
 
 
-def _same(sync_rows, split_rows, keys=("staleness/mean", "staleness/max")):
-    """Every metric equal but the wall-clock ones, `keys`, and the engine probe (not taken in a split run)."""
+def _differences(sync_rows, split_rows, keys=("staleness/mean", "staleness/max")) -> list[dict]:
+    """Per row, the metrics that differ but the wall-clock ones, `keys`, and the engine probe (not taken in a
+    split run): [] when the rows are equal."""
     keys = {*keys, "sync/max_abs_logprob_diff"}
-    return [{k: v for k, v in stable_metrics(r).items() if k not in keys} for r in sync_rows] == \
-        [{k: v for k, v in stable_metrics(r).items() if k not in keys} for r in split_rows]
+    rows = [[{k: v for k, v in stable_metrics(r).items() if k not in keys} for r in rs] for rs in (sync_rows, split_rows)]
+    if len(rows[0]) != len(rows[1]):
+        return [{"rows": (len(rows[0]), len(rows[1]))}]
+    return [d for x, y in zip(*rows) if (d := {k: (x.get(k), y.get(k)) for k in {*x, *y} if x.get(k) != y.get(k)})]
 
 
 def test_eta_0_is_the_sync_run_on_the_trainers_count_bit_for_bit(runs):
-    assert _same(_rows(runs, "sync_ref", 3), _rows(runs, "split_eta0", 3))
+    """Every metric (held-out validation's too: the trainers validate on their own engines), the weights."""
+    assert _differences(_rows(runs, "sync_ref", 3), _rows(runs, "split_eta0", 3)) == []
+    assert [sorted(k for k in r if k.startswith("val/")) != [] for r in runs["split_eta0"]["rows"]] == [False, True, True]
     assert runs["sync_ref"]["weights"] == runs["split_eta0"]["weights"] is not None
     assert all(r["staleness/max"] == 0 for r in runs["split_eta0"]["rows"])
     # the probe of version s (the rollout ranks' engines against the policy) comes back with step s + 1
@@ -245,7 +257,7 @@ def test_a_run_stopped_with_groups_in_flight_resumes_bit_for_bit(runs):
     straight = _rows(runs, "eta2_straight", 6)
     assert [r["outcome"] for r in runs["eta2_first_half"]["ranks"]] == ["stopped"] * 4
     assert runs["eta2_first_half"]["inbox"] == ["4", "5"]  # generated for steps 4 and 5, kept as data
-    assert _same(straight, _rows(runs, "eta2_continued", 6), keys=set())
+    assert _differences(straight, _rows(runs, "eta2_continued", 6), keys=set()) == []
     assert runs["eta2_straight"]["weights"] == runs["eta2_continued"]["weights"] is not None
 
 

@@ -479,11 +479,11 @@ FAULTS: list[Fault] = [
           "nothing was started", "Use `pipeline.apply=staged`, or one rank per engine.",
           _config({"pipeline": {"mode": "split", "rollout_ranks": 2, "apply": "inflight"},
                    "rollout": {"engine": "vllm", "tensor_parallel_size": 2}})),
-    Fault("config-split-validation", "config", "held-out validation in a split run",
-          (E + "pipeline.mode=split does not run held-out validation (validation.*) yet: use pipeline.mode=sync or "
-               "carryover",),
-          "nothing was started", "Turn validation off (`validation.every=0 validation.at_end=false`).",
-          _config({"pipeline": {"mode": "split", "rollout_ranks": 1}, "validation": {"at_end": True}})),
+    Fault("config-split-episodes", "config", "multi-turn episodes in a split run",
+          (E + "pipeline.mode=split does not run multi-turn episodes (task.env, task.agent) yet: use "
+               "pipeline.mode=sync or carryover",),
+          "nothing was started", "Use `pipeline.mode=sync` or `carryover` for episodes.",
+          _config({"pipeline": {"mode": "split", "rollout_ranks": 1}, "task": {"env": "tools"}})),
     Fault("config-concurrency", "config", "`pipeline.max_concurrency` below the group size",
           (E + "pipeline.max_concurrency=2 is below algorithm.group_size=4: a group's samples run together",),
           "nothing was started", "Raise it to at least `algorithm.group_size`, or null.",

@@ -123,9 +123,6 @@ class RemoteRollout:
         """Forward this trainer's error to its rollout set, so they stop with its line."""
         self.links.abort(self.rollout_set, line)
 
-    def evaluate(self, tag: str = "eval") -> dict[str, float]:
-        raise NotImplementedError("held-out validation in a split run (the config refuses it)")
-
     def sleep(self) -> None:
         """Nothing: the engine that generates is on the rollout ranks."""
 

@@ -2,8 +2,9 @@
 
 The loop is distflow.trainer.Trainer's, unchanged: only what it is built from differs. Its rollout is
 a `RemoteRollout` (groups received, versions published), its engine probe is a `RemoteProbe` (the
-engine that generates is on another rank), and the step boundary also tells the rollout set whether
-the run goes on; an error on a trainer reaches its rollout set as its line.
+engine that generates is on another rank), held-out validation runs on the trainers' own engines,
+and the step boundary also tells the rollout set whether the run goes on; an error on a trainer
+reaches its rollout set as its line.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class SplitTrainer(Trainer):
         super().__init__(run.cfg, observers, started=(run, stop_signal))
 
     def build_rollout(self) -> RemoteRollout:
-        return RemoteRollout(self.cfg, super().build_rollout(), self.groups)
+        # the trainers' own rollout shards held-out validation over the trainers
+        return RemoteRollout(self.cfg, super().build_rollout(self.groups.role_dist(self.dist)), self.groups)
 
     def build_probe(self) -> RemoteProbe:
         return RemoteProbe(self.rollout, self.learner.policy, self.cfg, self.run.pad_id)
@@ -71,6 +73,17 @@ class SplitTrainer(Trainer):
         except Exception as e:
             self.rollout.abort(error_line(self.dist.rank, e))
             raise
+
+    def evaluate(self, tag: str) -> dict[str, float]:
+        """Held-out validation on the trainers' own engines, asleep otherwise: the policy's weights go into
+        them for it (a collective over the trainers, as the resync's gather), while the rollout ranks go
+        on generating."""
+        local = self.rollout.local
+        local.load_weights(self.learner.weights(), self.step)
+        try:
+            return local.evaluate(tag)
+        finally:
+            local.sleep()
 
     def stop_at_start(self) -> bool:
         if stopping := super().stop_at_start():
