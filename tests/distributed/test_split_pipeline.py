@@ -2,8 +2,8 @@
 generate; tiny model, the hf engine), against sync runs on 2 ranks:
 
 - eta = 0 is the sync run on the trainers' count of ranks bit for bit (every metric, held-out
-  validation's on the trainers' own engines too, the final weights); DAPO's dynamic sampling runs on
-  the rollout ranks at eta = 1;
+  validation's on the trainers' own engines and a reward model's and a judge's too, the final
+  weights); DAPO's dynamic sampling runs on the rollout ranks at eta = 1;
 - the staged schedule: at eta = 1 and 2 every trained token is exactly eta versions older than the
   sync run's, and a run stopped by a signal to a rollout rank with groups generated for later steps,
   then resumed, equals one run straight through (so two runs of a config are identical); resumed on
@@ -33,6 +33,7 @@ from distflow.rollout.schedule import bound_problem
 from config_helpers import compose
 from dist_helpers import gathered, run_distributed
 from launch_helpers import stable_metrics
+from scorer_helpers import build_reward_model
 
 pytestmark = pytest.mark.slow
 
@@ -43,11 +44,14 @@ ETA2 = [*SPLIT, "pipeline.max_staleness=2", "run.steps=6"]
 # DAPO: 4 prompts a step drawn x 1.5 = 6, scored on the rollout ranks, those whose rewards differ trained
 INFLIGHT = [*SPLIT, "pipeline.apply=inflight", "pipeline.max_staleness=1", "run.steps=5", "algorithm=dapo",
             "pipeline.oversample=0.5"]
-# held-out validation after step 2 and at the end, on tmp/heldout.jsonl (_run_one): split runs it on the trainers
-VALIDATE = ["validation.every=2", "validation.at_end=true", "validation.pass_k=2"]
-REFERENCE = [("sync_ref", "sync_ref", ["run.steps=3", *VALIDATE], None)]
+# held-out validation after step 2 and at the end, on tmp/heldout.jsonl (_run_one), and a reward model and an
+# LLM judge (the tiny model itself) adding to the task's reward: split runs them on the trainers
+TRAINERS_WORK = ["validation.every=2", "validation.at_end=true", "validation.pass_k=2",
+                 "task.reward_models=[{path: @tmp/tiny-rm, weight: 0.5}]",
+                 "task.judges=[{path: tiny, name: self, template: 'Is {answer} right? Y or N.', yes: Y, no: N}]"]
+REFERENCE = [("sync_ref", "sync_ref", ["run.steps=3", *TRAINERS_WORK], None)]
 CASES = [  # (name, folder, overrides, fault: (rank, step, what) in a rank's generation)
-    ("split_eta0", "split_eta0", [*SPLIT, "run.steps=3", *VALIDATE], None),
+    ("split_eta0", "split_eta0", [*SPLIT, "run.steps=3", *TRAINERS_WORK], None),
     ("dapo_eta1", "dapo_eta1", [*SPLIT, "algorithm=dapo", "run.steps=3", "pipeline.max_staleness=1"], None),
     ("eta2_straight", "eta2_straight", ETA2, None),
     ("eta2_first_half", "eta2_cut", ETA2, (3, 3, "signal")),  # seen where step 3 trains: stops after it
@@ -142,8 +146,9 @@ def _run_one(rank: int, overrides: list[str], out: Path, fault) -> dict:
     from distflow.job import build_job
 
     observers = _observers(rank, fault)
+    overrides = [o.replace("@tmp", str(out.parent)) for o in overrides]
     if any(o.startswith("validation.") for o in overrides):
-        overrides = [*overrides, f"task.heldout_path={out.parent / 'heldout.jsonl'}"]
+        overrides.append(f"task.heldout_path={out.parent / 'heldout.jsonl'}")
     try:
         job = build_job(compose([*BASE, *overrides, f"run.output_dir={out}"]), observers)
     except ConfigError as e:
@@ -207,6 +212,7 @@ def runs(tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("split")
     (tmp / "heldout.jsonl").write_text("".join(f'{{"prompt": "What is {a} + {a}?", "answer": "{2 * a}"}}\n'
                                                for a in range(5)))  # 3 items on trainer 0, 2 on trainer 1
+    build_reward_model(tiny_model_dir, tmp / "tiny-rm")
     resized = [("eta2_resized", "eta2_resized", [*ETA2, f"checkpoint.resume={tmp / 'eta2_step3'}"], None)]
     return {**run_distributed(_worker, 2, str(tmp), REFERENCE, timeout=600),
             **run_distributed(_worker, 4, str(tmp), CASES, timeout=900),
@@ -231,9 +237,12 @@ def _differences(sync_rows, split_rows, keys=("staleness/mean", "staleness/max")
 
 
 def test_eta_0_is_the_sync_run_on_the_trainers_count_bit_for_bit(runs):
-    """Every metric (held-out validation's too: the trainers validate on their own engines), the weights."""
-    assert _differences(_rows(runs, "sync_ref", 3), _rows(runs, "split_eta0", 3)) == []
-    assert [sorted(k for k in r if k.startswith("val/")) != [] for r in runs["split_eta0"]["rows"]] == [False, True, True]
+    """Every metric (held-out validation's, which the trainers run on their own engines, and the reward model's
+    and the judge's, which score on the trainers, too), the weights."""
+    rows = _rows(runs, "split_eta0", 3)
+    assert _differences(_rows(runs, "sync_ref", 3), rows) == []
+    assert [any(k.startswith("val/") for k in r) for r in rows] == [False, True, True]
+    assert all(any(k.startswith("reward_model/") for k in r) and any(k.startswith("judge/") for k in r) for r in rows)
     assert runs["sync_ref"]["weights"] == runs["split_eta0"]["weights"] is not None
     assert all(r["staleness/max"] == 0 for r in runs["split_eta0"]["rows"])
     # the probe of version s (the rollout ranks' engines against the policy) comes back with step s + 1

@@ -135,7 +135,6 @@ def _split_rules(cfg: DistflowConfig) -> list[tuple[bool, str]]:
         return []
     unsupported = [
         (cfg.task.env or cfg.task.agent, "multi-turn episodes (task.env, task.agent)"),
-        (cfg.task.has_reward_models, "reward models and judges (task.reward_models, task.judges)"),
         (cfg.model.lora.enabled and cfg.model.lora.resync == "adapter", "model.lora.resync=adapter"),
     ]
     rules = [(not bool(used), f"pipeline.mode=split does not run {what} yet: use pipeline.mode=sync or carryover")
