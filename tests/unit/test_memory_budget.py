@@ -99,3 +99,30 @@ def test_the_check_reads_a_model_folder_and_a_small_device_refuses(tiny_model_di
     assert check_memory_budget(cfg, tiny_model_dir, cpu) is None
     cfg.run.memory_check = False
     assert check_memory_budget(cfg, tiny_model_dir, layout) is None
+
+
+def test_a_split_runs_rollout_ranks_hold_the_engine_and_the_versions_they_stage(qwen_32b):
+    """pipeline.mode=split: trainers as in a sync run but with the engine asleep through every update (it
+    wakes only to validate); a rollout rank holds no training state, its engine beside the received
+    versions not applied yet, each a full copy of the weights (32.8B x 2 B) whatever the engine's TP size."""
+    def split(eta: int, apply: str = "staged", shape: ModelShape = qwen_32b, **rollout) -> dict:
+        cfg = _cfg(**rollout)
+        cfg.pipeline.mode, cfg.pipeline.rollout_ranks, cfg.pipeline.max_staleness = "split", 8, eta
+        cfg.pipeline.apply = apply
+        return estimate(cfg, shape, None, H100, 8, 4, 2)
+
+    phases = split(2, kv_cache_gib=4.0, sleep_during_update=False)
+    rollout = phases["rollout ranks' generate"]
+    assert rollout.keys() == {"CUDA context and NCCL", "vLLM engine", "staged versions"}
+    assert rollout["staged versions"] == 2 * 2 * qwen_32b.parameters
+    assert rollout["vLLM engine"] == pytest.approx(2 * qwen_32b.parameters / 4 + 5 * GIB)
+    assert "vLLM engine" not in phases["update"] and phases["generate"].keys() == split(0)["generate"].keys()
+    assert split(3, "inflight")["rollout ranks' generate"]["staged versions"] == 2 * qwen_32b.parameters
+    # a 32B model's staged copy (65.6 GB) leaves no room for an engine on an 80 GB card: one line, the knobs
+    with pytest.raises(ConfigError, match=r"^the rollout ranks' generate phase needs about 1\d\d\.\d GiB per GPU "
+                                          r"\(staged versions 122\.\d.*lower pipeline.max_staleness"):
+        check(split(2, kv_cache_gib=4.0), H100)
+    seven_b = ModelShape(7_000_000_000, 3584, 28, 18944, 152064)
+    check(split(2, shape=seven_b, gpu_memory_utilization=0.3), H100)  # 2 x 14 GB staged beside 24 GB of engine
+    with pytest.raises(ConfigError, match=r"^the rollout ranks' generate phase .*staged versions 65\.2"):
+        check(split(5, shape=seven_b, gpu_memory_utilization=0.3), H100)

@@ -158,9 +158,6 @@ class InflightGroups:
 class InflightRolloutRank(RolloutRank):
     """A rollout rank of a split run with pipeline.apply=inflight (see the module docstring)."""
 
-    def versions_ahead(self) -> int:
-        return 1  # the newest version is applied between two engine steps: one waits at most
-
     def generate(self) -> None:
         """Every target, admitted as the bound allows and sent as it finishes (see the module docstring)."""
         cfg = self.cfg

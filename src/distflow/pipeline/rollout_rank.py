@@ -27,7 +27,7 @@ from distflow.distributed.roles import RoleGroups
 from distflow.errors import RunAborted
 from distflow.metrics.timer import PhaseTimer
 from distflow.pipeline.links import Links, error_line
-from distflow.pipeline.schedule import engine_version
+from distflow.pipeline.schedule import engine_version, versions_ahead
 from distflow.pipeline.weights import StagedVersions, WeightReceiver
 from distflow.probe import engine_gaps, largest_gap
 from distflow.rollout import Rollout
@@ -69,8 +69,9 @@ class RolloutRank:
     def train(self) -> None:
         """Generate every target of the run (named as the trainer's, so the recipe runs either); an error
         here reaches the trainers as this rank's line instead of leaving them to wait out the deadline."""
+        p = self.cfg.pipeline
         self.versions = StagedVersions(self.receiver, self.cfg.run.steps, self.cfg.run.collective_timeout_s,
-                                       self.versions_ahead())
+                                       versions_ahead(p.apply, p.max_staleness))
         try:
             self.generate()
         except RunAborted:
@@ -78,11 +79,6 @@ class RolloutRank:
         except Exception as e:
             self.links.abort(self.trainers, f"{error_line(self.rank, e)}; stopped generating step {self.target}")
             raise
-
-    def versions_ahead(self) -> int:
-        """Versions received and waiting to be applied, at most: the staged schedule applies version v at
-        target v + 1 + eta, so eta of them wait while the targets before it are generated."""
-        return max(1, self.cfg.pipeline.max_staleness)
 
     def generate(self) -> None:
         """The staged schedule's targets, one after another (see the module docstring)."""

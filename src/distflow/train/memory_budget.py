@@ -15,6 +15,12 @@ The estimate is arithmetic from the parameter count and the model's shapes (docs
   update    the same without the engine when it sleeps (rollout.sleep_during_update), plus the
             float32 gradients, the gathered blocks and one micro-batch's activations and logits.
 
+A split run (pipeline.mode=split) checks both roles on every rank, so all stop with the same line: the
+trainers as above, their engine asleep through every update (it wakes only to validate), and the
+rollout ranks, which hold no training state but their engine, awake throughout, beside the versions
+they have received and not applied yet (pipeline.max_staleness of them when staged, one inflight),
+each a full copy of the weights.
+
 Activations are the coarse term: per token, with activation checkpointing, each block's saved
 input and one block's recompute; without it, every block's intermediates. Run with
 run.memory_check=false to train past a refusal this estimate got wrong.
@@ -26,6 +32,7 @@ import dataclasses
 from typing import Collection
 
 from distflow.config import ConfigError, DistflowConfig
+from distflow.pipeline.schedule import versions_ahead
 
 GIB = 2**30
 CONTEXT_BYTES = 2 * GIB  # CUDA context, NCCL's buffers, the allocator's fragmentation
@@ -73,10 +80,7 @@ def estimate(cfg: DistflowConfig, policy: ModelShape, critic: ModelShape | None,
             always[f"{name} (offloaded)"] = 2 * compute_bytes * shape.parameters / max(shape.layers, 1)
         else:
             always[name] = compute_bytes * shape.parameters / shard
-    if r.kv_cache_gib is None:
-        engine = r.gpu_memory_utilization * device_bytes
-    else:
-        engine = compute_bytes * policy.parameters / engine_tp + r.kv_cache_gib * GIB + ENGINE_OVERHEAD_BYTES
+    engine = engine_bytes(cfg, policy, device_bytes, engine_tp, compute_bytes)
     generate = {**always, "vLLM engine": engine, "resync bucket": r.sync_bucket_mib * 2**20}
     tokens = o.micro_batch_tokens or o.micro_batch_size * (r.max_prompt_tokens + r.max_new_tokens)
     block = compute_bytes * (10 * policy.hidden + 3 * policy.intermediate)  # one block's intermediates per token
@@ -88,9 +92,32 @@ def estimate(cfg: DistflowConfig, policy: ModelShape, critic: ModelShape | None,
               "gathered blocks": 2 * compute_bytes * policy.parameters / max(policy.layers, 1),
               "activations": tokens * saved,
               "logits": 3 * 4 * logit_tokens * policy.vocab}
-    if not r.sleep_during_update:
+    if not r.sleep_during_update and cfg.pipeline.mode != "split":  # a split trainer's engine wakes to validate only
         update["vLLM engine"] = engine
-    return {"generate": generate, "update": update}
+    phases = {"generate": generate, "update": update}
+    if cfg.pipeline.mode == "split":
+        phases["rollout ranks' generate"] = rollout_rank_estimate(cfg, policy, device_bytes, engine_tp, compute_bytes)
+    return phases
+
+
+def engine_bytes(cfg: DistflowConfig, policy: ModelShape, device_bytes: int, engine_tp: int,
+                 compute_bytes: int) -> float:
+    """The awake engine: rollout.gpu_memory_utilization of the card, or its weights' slice plus the KV cache."""
+    r = cfg.rollout
+    if r.kv_cache_gib is None:
+        return r.gpu_memory_utilization * device_bytes
+    return compute_bytes * policy.parameters / engine_tp + r.kv_cache_gib * GIB + ENGINE_OVERHEAD_BYTES
+
+
+def rollout_rank_estimate(cfg: DistflowConfig, policy: ModelShape, device_bytes: int, engine_tp: int,
+                          compute_bytes: int) -> dict[str, float]:
+    """A split run's rollout rank: no policy, optimizer or frozen model, but its engine, awake throughout,
+    beside the versions it has received and not applied yet, each a full copy of the weights whatever
+    the engine's tensor-parallel size (distflow.pipeline.schedule.versions_ahead)."""
+    p = cfg.pipeline
+    return {"CUDA context and NCCL": CONTEXT_BYTES,
+            "vLLM engine": engine_bytes(cfg, policy, device_bytes, engine_tp, compute_bytes),
+            "staged versions": versions_ahead(p.apply, p.max_staleness) * compute_bytes * policy.parameters}
 
 
 def check(phases: dict[str, dict[str, float]], device_bytes: int) -> None:
@@ -101,10 +128,14 @@ def check(phases: dict[str, dict[str, float]], device_bytes: int) -> None:
             continue
         top = sorted(items.items(), key=lambda kv: -kv[1])[:4]
         parts = ", ".join(f"{name} {value / GIB:.1f}" for name, value in top)
-        knobs = ("lower rollout.gpu_memory_utilization (or set rollout.kv_cache_gib), or shard over more ranks "
-                 "(model.shard_ranks, more GPUs)") if phase == "generate" else \
-            ("set model.activation_checkpointing=true, lower optim.micro_batch_size or set optim.micro_batch_tokens, "
-             "keep rollout.sleep_during_update=true, or shard over more ranks")
+        knobs = {"generate": "lower rollout.gpu_memory_utilization (or set rollout.kv_cache_gib), or shard over more "
+                             "ranks (model.shard_ranks, more GPUs)",
+                 "update": "set model.activation_checkpointing=true, lower optim.micro_batch_size or set "
+                           "optim.micro_batch_tokens, keep rollout.sleep_during_update=true, or shard over more ranks",
+                 "rollout ranks' generate": "lower rollout.gpu_memory_utilization (or set rollout.kv_cache_gib) to "
+                                            "leave room for the staged versions, or lower pipeline.max_staleness (a "
+                                            "staged rollout rank holds up to that many received versions; "
+                                            "pipeline.apply=inflight one)"}[phase]
         raise ConfigError(f"the {phase} phase needs about {total / GIB:.1f} GiB per GPU ({parts} GiB), more than the "
                           f"device's {device_bytes / GIB:.1f} GiB: {knobs}; run.memory_check=false skips this estimate")
 
