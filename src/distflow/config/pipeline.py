@@ -49,6 +49,13 @@ class PipelineConfig:
                                                 "with apply=inflight: a step's groups start once they fit; a "
                                                 "group's samples count alike); null: every admitted group at once.")
 
+    @property
+    def versions_ahead(self) -> int:
+        """Versions a split run's rollout rank receives before applying them, at most: a staged rank applies
+        version v at target v + 1 + eta, so eta of them wait while the targets before it are generated; an
+        inflight rank applies the newest between two engine steps, so one waits at most."""
+        return 1 if self.apply == "inflight" else max(1, self.max_staleness)
+
     def checks(self) -> list[tuple[bool, str]]:
         return [
             (self.max_staleness >= 0, f"pipeline.max_staleness must be >= 0, got {self.max_staleness}"),

@@ -27,7 +27,7 @@ from distflow.distributed.roles import RoleGroups
 from distflow.errors import RunAborted
 from distflow.metrics.timer import PhaseTimer
 from distflow.pipeline.links import Links, error_line
-from distflow.pipeline.schedule import engine_version, versions_ahead
+from distflow.pipeline.schedule import engine_version
 from distflow.pipeline.weights import StagedVersions, WeightReceiver
 from distflow.probe import engine_gaps, largest_gap
 from distflow.rollout import Rollout
@@ -69,9 +69,8 @@ class RolloutRank:
     def train(self) -> None:
         """Generate every target of the run (named as the trainer's, so the recipe runs either); an error
         here reaches the trainers as this rank's line instead of leaving them to wait out the deadline."""
-        p = self.cfg.pipeline
         self.versions = StagedVersions(self.receiver, self.cfg.run.steps, self.cfg.run.collective_timeout_s,
-                                       versions_ahead(p.apply, p.max_staleness))
+                                       self.cfg.pipeline.versions_ahead)
         try:
             self.generate()
         except RunAborted:

@@ -25,13 +25,6 @@ def admits(target: int, engine_holds: int, eta: int, running: int, samples: int,
     return engine_holds >= engine_version(target, eta) and fits(running, samples, max_concurrency)
 
 
-def versions_ahead(apply: str, eta: int) -> int:
-    """Versions a rollout rank receives before applying them, at most: a staged rank applies version v at
-    target v + 1 + eta, so eta of them wait while the targets before it are generated; an inflight rank
-    applies the newest between two engine steps, so one waits at most."""
-    return 1 if apply == "inflight" else max(1, eta)
-
-
 def weights_needed(version: int, eta: int, steps: int, inflight: bool = False) -> bool:
     """Whether any target of a run of `steps` steps is generated with `version` (else the trainers
     announce it without its weights). With versions applied in flight every version but the last can

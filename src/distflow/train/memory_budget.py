@@ -32,7 +32,6 @@ import dataclasses
 from typing import Collection
 
 from distflow.config import ConfigError, DistflowConfig
-from distflow.pipeline.schedule import versions_ahead
 
 GIB = 2**30
 CONTEXT_BYTES = 2 * GIB  # CUDA context, NCCL's buffers, the allocator's fragmentation
@@ -113,11 +112,11 @@ def rollout_rank_estimate(cfg: DistflowConfig, policy: ModelShape, device_bytes:
                           compute_bytes: int) -> dict[str, float]:
     """A split run's rollout rank: no policy, optimizer or frozen model, but its engine, awake throughout,
     beside the versions it has received and not applied yet, each a full copy of the weights whatever
-    the engine's tensor-parallel size (distflow.pipeline.schedule.versions_ahead)."""
+    the engine's tensor-parallel size (pipeline.versions_ahead)."""
     p = cfg.pipeline
     return {"CUDA context and NCCL": CONTEXT_BYTES,
             "vLLM engine": engine_bytes(cfg, policy, device_bytes, engine_tp, compute_bytes),
-            "staged versions": versions_ahead(p.apply, p.max_staleness) * compute_bytes * policy.parameters}
+            "staged versions": p.versions_ahead * compute_bytes * policy.parameters}
 
 
 def check(phases: dict[str, dict[str, float]], device_bytes: int) -> None:
