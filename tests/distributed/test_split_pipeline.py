@@ -13,7 +13,7 @@ generate; tiny model, the hf engine), against sync runs on 2 ranks:
   inflight run; layouts a split cannot run stop every rank before any weights load;
 - pipeline.apply=inflight: every token within the bound under injected delays (with late=retarget),
   DAPO's dynamic sampling on the rollout ranks, a signal and a resume that neither loses nor repeats a
-  position;
+  position (with kv_after_update=keep);
 - the engine probe runs on the rollout ranks, and a broken resync stops every rank with its line.
 """
 
@@ -49,6 +49,7 @@ INFLIGHT = [*SPLIT, "pipeline.apply=inflight", "pipeline.max_staleness=1", "run.
 TRAINERS_WORK = ["validation.every=2", "validation.at_end=true", "validation.pass_k=2",
                  "task.reward_models=[{path: @tmp/tiny-rm, weight: 0.5}]",
                  "task.judges=[{path: tiny, name: self, template: 'Is {answer} right? Y or N.', yes: Y, no: N}]"]
+KEEP = ["pipeline.max_concurrency=12", "pipeline.kv_after_update=keep", "pipeline.recompute_every=2"]
 REFERENCE = [("sync_ref", "sync_ref", ["run.steps=3", *TRAINERS_WORK], None)]
 CASES = [  # (name, folder, overrides, fault: (rank, step, what) in a rank's generation)
     ("split_eta0", "split_eta0", [*SPLIT, "run.steps=3", *TRAINERS_WORK], None),
@@ -58,10 +59,10 @@ CASES = [  # (name, folder, overrides, fault: (rank, step, what) in a rank's gen
     ("eta2_continued", "eta2_cut", [*ETA2, "checkpoint.resume=force"], None),
     # every rollout rank slow, trainer 0 late at step 3
     ("inflight", "inflight", [*INFLIGHT, "pipeline.late=retarget"], (0, 3, "delays")),
-    # one step's groups (3 x 4 samples) in a rollout rank's engine at a time
-    ("inflight_first_half", "inflight_cut", [*INFLIGHT, "pipeline.max_concurrency=12"], (3, 3, "signal_from")),
-    ("inflight_continued", "inflight_cut", [*INFLIGHT, "pipeline.max_concurrency=12", "checkpoint.resume=force"],
-     None),
+    # one step's groups (3 x 4 samples) in a rollout rank's engine at a time; versions loaded under the running
+    # samples (kv_after_update=keep), every second one a recompute
+    ("inflight_first_half", "inflight_cut", [*INFLIGHT, *KEEP], (3, 3, "signal_from")),
+    ("inflight_continued", "inflight_cut", [*INFLIGHT, *KEEP, "checkpoint.resume=force"], None),
     ("rollout_raises", "rollout_raises", [*SPLIT, "run.steps=2"], (2, 2, "raise")),
     # trainer 0's version 1 leaves a tensor out: its rollout rank's engine probe fails at step 2
     ("stale_resync", "stale_resync", [*SPLIT, "run.steps=3", "optim.lr=1e-2", "optim.warmup_steps=0",

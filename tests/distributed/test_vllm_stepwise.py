@@ -4,7 +4,8 @@ LLM.generate sampled with the same seeds; requests join a running engine, honour
 max_tokens and ignore_eos, and an abort hands back what was generated. The carry-over driver on it:
 eta = 0 is generate, a cut sample continues with the engine's own logprobs, a rebuilt driver
 continues exactly. An inflight rollout rank's groups on it (two steps' groups decoding together, a
-version applied while they run) likewise."""
+version applied while they run) likewise, and a version kept under running samples
+(kv_after_update=keep), with the prefix cache salted so no later request reuses the older weights' keys."""
 
 from __future__ import annotations
 
@@ -77,6 +78,7 @@ def _worker(rank, world, model_dir):
     out["version"] = engine.version
     out["driver"] = _drive(engine)
     out["inflight"] = _inflight(engine)
+    out["kept"] = _kept(engine, model_dir)
     engine.shutdown()
     return out
 
@@ -135,6 +137,38 @@ def _inflight(engine) -> dict:
             "pending": engine.pending()}
 
 
+def _kept(engine, model_dir) -> dict:
+    """pipeline.kv_after_update=keep on vLLM: weights that differ, loaded under a running group, tag its
+    later tokens with the new version; a group of the same prompt admitted after it is salted with the
+    version, so none of its prefix comes from the cache the old weights filled: its logprobs are the new
+    model's own, as are the probe's."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    original = load_file(str(Path(model_dir) / "model.safetensors"))
+    gen = torch.Generator().manual_seed(5)
+    moved = {n: t + 0.05 * torch.randn(t.shape, generator=gen) for n, t in original.items()}
+    engine.load_weights(original.items(), 0)
+    live = InflightGroups(engine, 0, G, 24)
+    prompt = (item(1).prompt_ids * 40)[:140]  # longer than one KV block (128 tokens): its first block is cached
+    live.admit(1, [1], [prompt])
+    for _ in range(3):
+        live.step()
+    engine.load_weights(moved.items(), 1, keep_running=True)
+    live.admit(2, [9], [prompt])  # the prompt the old weights' prefix cache holds
+    while live.running():
+        live.step()
+    first, second = live.take(1)[1], live.take(2)[1]
+    full = engine.prompt_logprobs([s.prompt_ids + s.response_ids for s in second])
+    gap = max(abs(a - b) for s, f in zip(second, full) for a, b in zip(s.logprobs, f[len(s.prompt_ids) - 1:]))
+    out = {"first": [s.versions[:4] for s in first], "second": {v for s in second for v in s.versions},
+           "gap": gap, "salted": engine.cache_salt}
+    engine.load_weights(original.items(), 0)
+    out["reset"] = engine.cache_salt
+    return out
+
+
 def test_generate_by_steps_is_llm_generate_and_requests_join_and_abort(tiny_model_dir):
     r = run_distributed(_worker, 1, tiny_model_dir, timeout=600)
     assert r["same"], "generate over engine steps must sample exactly what LLM.generate sampled"
@@ -150,3 +184,6 @@ def test_generate_by_steps_is_llm_generate_and_requests_join_and_abort(tiny_mode
     assert r["version"] == 3
     i = r["inflight"]
     assert i["samples"] == 3 * G and i["cut"] > 0 and i["gap"] <= 1e-5 and i["probe"] and i["pending"] == 0, i
+    k = r["kept"]
+    assert k["first"] == [[0, 0, 0, 1]] * G and k["second"] == {1} and k["gap"] <= 1e-5, k
+    assert k["salted"] == "version-1" and k["reset"] is None, k

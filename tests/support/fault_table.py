@@ -472,6 +472,11 @@ FAULTS: list[Fault] = [
                "waits for every group)",),
           "nothing was started", "Add `pipeline.apply=inflight`, or drop the key.",
           _config({"pipeline": {"mode": "split", "rollout_ranks": 1, "late": "retarget"}})),
+    Fault("config-keep-staged", "config", "`pipeline.kv_after_update=keep` without `pipeline.apply=inflight`",
+          (E + "pipeline.kv_after_update=keep needs pipeline.apply=inflight (a staged rank's engine holds no running "
+               "request where it applies a version)",),
+          "nothing was started", "Add `pipeline.apply=inflight`, or drop the key.",
+          _config({"pipeline": {"mode": "split", "rollout_ranks": 1, "kv_after_update": "keep"}})),
     Fault("config-split-inflight-tensor-parallel", "config",
           "`pipeline.apply=inflight` with `rollout.tensor_parallel_size` > 1",
           (E + "pipeline.apply=inflight with rollout.tensor_parallel_size=2: the ranks of an engine would apply each "

@@ -122,3 +122,36 @@ def test_late_groups_dropped_are_aborted_and_never_sent(engine):
     assert live.late(2, 1, 4, "drop") == 2 and live.done(2) and not live.running() and engine.pending() == 0
     positions, samples = live.take(2)
     assert positions == [0] and len(samples) == G and live.undelivered(2) == []
+
+
+def test_a_version_kept_under_running_samples_tags_their_later_tokens_and_prefills_nothing(engine):
+    """pipeline.kv_after_update=keep: the version is loaded under the running samples. Their tokens from
+    then on carry it, nothing is prefilled again, and each later logprob is the new model's on top of the
+    keys and values the old one computed (PipelineRL's in-flight update), not a fresh forward of either."""
+    original = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    gen = torch.Generator().manual_seed(4)
+    moved = {n: p + 0.05 * torch.randn(p.shape, generator=gen) for n, p in original.items()}
+    engine.version = 0
+    try:
+        live = InflightGroups(engine, SEED, G, BUDGET)
+        _admit(live, 1, [1])
+        for _ in range(3):
+            live.step()
+        engine.load_weights(iter(moved.items()), 1, keep_running=True)
+        _finish(live)
+        _, samples = live.take(1)
+        assert live.reprefilled == 0
+        for s in samples:
+            assert s.versions == [0] * 3 + [1] * (len(s.response_ids) - 3), s.versions
+            seq = torch.tensor([s.prompt_ids + s.response_ids])
+            cut = len(s.prompt_ids) + 2  # the old model's keys and values: the prompt and the first 2 tokens
+            with torch.no_grad():
+                engine.load_weights(iter(original.items()), 0)
+                old = engine.model(input_ids=seq[:, :cut], use_cache=True)
+                engine.load_weights(iter(moved.items()), 1)
+                new = engine.model(input_ids=seq[:, cut:], past_key_values=old.past_key_values)
+            logits = torch.cat([old.logits[0, len(s.prompt_ids) - 1:], new.logits[0, :-1]]).float()
+            expected = logits.log_softmax(-1).gather(-1, seq[0, len(s.prompt_ids):, None]).squeeze(-1)
+            torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=1e-5, rtol=0)
+    finally:
+        engine.load_weights(iter(original.items()), 0)

@@ -39,6 +39,14 @@ class PipelineConfig:
         0.0, "split with apply=inflight and dynamic sampling: each step draws its prompts x (1 + oversample), scores "
              "every group on the rollout ranks and trains those whose rewards differ. No extra rounds (the ranks "
              "do not wait for each other), so a step trains a varying number of groups.")
+    kv_after_update: Literal["recompute", "keep"] = knob(
+        "recompute", "split with apply=inflight: what running samples do where a version is applied. recompute: "
+                     "aborted and their prompt and tokens so far prefilled again under it (AReaL). keep: they go on "
+                     "with the KV cache computed so far (PipelineRL), each token tagged with the version that "
+                     "sampled it; no prefill again, but later tokens see older versions' keys and values.")
+    recompute_every: int = knob(0, "kv_after_update=keep: every version whose number is a multiple of this is "
+                                   "applied by recompute instead, so no KV cache spans more than this many "
+                                   "versions; 0: never.")
     late: Literal["wait", "retarget", "drop"] = knob(
         "wait", "split with apply=inflight: a step's groups still running when the trainers are ready for it (they "
                 "hold version s - 1) and one of its groups has finished. wait: the step waits for them. retarget: "
@@ -72,6 +80,13 @@ class PipelineConfig:
             (self.late == "wait" or self.apply == "inflight",
              f"pipeline.late={self.late} needs pipeline.apply=inflight (a staged rank's steps are reproducible: it "
              "waits for every group)"),
+            (self.kv_after_update == "recompute" or self.apply == "inflight",
+             f"pipeline.kv_after_update={self.kv_after_update} needs pipeline.apply=inflight (a staged rank's "
+             "engine holds no running request where it applies a version)"),
+            (self.recompute_every >= 0, f"pipeline.recompute_every must be >= 0, got {self.recompute_every}"),
+            (self.recompute_every == 0 or self.kv_after_update == "keep",
+             f"pipeline.recompute_every={self.recompute_every} needs pipeline.kv_after_update=keep (recompute "
+             "applies every version so)"),
             (self.oversample >= 0, f"pipeline.oversample must be >= 0, got {self.oversample}"),
             (self.max_concurrency is None or self.max_concurrency >= 1,
              f"pipeline.max_concurrency must be >= 1 (or null), got {self.max_concurrency}"),

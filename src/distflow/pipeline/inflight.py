@@ -3,22 +3,24 @@ applies each version as soon as it arrives.
 
 The staged rank (distflow.pipeline.rollout_rank) generates one target at a time and applies a version
 only where a target starts, so its engine drains at the end of every target (the step's longest
-sequence) and waits there for the weights. Here the groups of every admissible target run in the
-engine together: target s is admitted once the engine holds version >= s - 1 - eta (the bound), and
-sent once all its groups have finished, targets in order (a step's groups all train at that step);
+sequence) and waits there for the weights. Here the groups of every admissible target run in the engine
+together: target s is admitted once the engine holds version >= s - 1 - eta (the bound), and sent once
+all its groups have finished, targets in order (a step's groups all train at that step);
 pipeline.max_concurrency holds a target back until its samples fit (distflow.pipeline.schedule.admits).
-A thread (`StagedVersions`) receives the announces and joins the weight broadcasts as they come,
-into tensors of their own, so the trainer never waits for an engine step; between two engine steps
-the loop takes the newest version received, aborts what runs (tokens, logprobs and their versions
-kept), loads it and re-prefills every unfinished sample under it, each continuation seeded by its
-position, index and cut count as carry-over's are. So every token carries the version that
-generated it, none trained at step s is older than s - 1 - eta or newer than s - 1 (version s exists
-only once step s has trained), and which tokens come from which version depends on timing: two runs
-differ, and eta = 0 is not the sync run. DAPO's dynamic sampling filters without rounds (the rollout
-ranks never wait for each other): every target draws its share x (1 + pipeline.oversample) on every
-rollout rank alike, so their draws stay one stream, and sends the groups whose rewards differ. Where a
-target is due (the trainers hold version s - 1) with groups still running, pipeline.late may move those
-the bound allows to the next target (`retarget`) or abort them (`drop`) once one of its groups is done.
+A thread (`StagedVersions`) receives the announces and joins the weight broadcasts as they come, into
+tensors of their own, so the trainer never waits for an engine step; between two engine steps the loop
+takes the newest version received, aborts what runs (tokens, logprobs and their versions kept), loads it
+and re-prefills every unfinished sample under it, each continuation seeded by its position, index and
+cut count as carry-over's are (pipeline.kv_after_update=keep instead loads it under the running samples,
+which go on with their KV cache, except at every recompute_every-th version). So every token carries the
+version that generated it, none trained at step s is older than s - 1 - eta or newer than s - 1 (version
+s exists only once step s has trained), and which tokens come from which version depends on timing: two
+runs differ, and eta = 0 is not the sync run. DAPO's dynamic sampling filters without rounds (the
+rollout ranks never wait for each other): every target draws its share x (1 + pipeline.oversample) on
+every rollout rank alike, so their draws stay one stream, and sends the groups whose rewards differ.
+Where a target is due (the trainers hold version s - 1) with groups still running, pipeline.late may
+move those the bound allows to the next target (`retarget`) or abort them (`drop`) once one of its
+groups is done.
 
 Checkpoints and signals are those of the staged mode: each target's message carries the data cursor
 as it was right after the target's positions were drawn, so a checkpoint after step c (targets up to
@@ -252,6 +254,12 @@ class InflightRolloutRank(RolloutRank):
                 self.rollout.load_weights(tensors, version)
                 self.answer_probe()
 
+            p = self.cfg.pipeline
             with self.timer.phase("receive"):
-                self.live.recompute(load)
+                if p.kv_after_update == "keep" and self.live.running() and not (
+                        p.recompute_every and version % p.recompute_every == 0):
+                    # the samples go on under it; the probe waits for an engine with nothing running
+                    self.rollout.load_weights(tensors, version, keep_running=True)
+                else:
+                    self.live.recompute(load)
         return True

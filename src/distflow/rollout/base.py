@@ -59,9 +59,12 @@ class RolloutEngine(Protocol):
     def prompt_logprobs(self, seqs: list[list[int]]) -> list[list[float]]:
         """logp(seq[t] | seq[:t]) for t >= 1 at temperature 1: used to verify weight sync."""
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None,
+                     keep_running: bool = False) -> None:
         """Replace all weights in place from a stream of (HF parameter name, full tensor), which are
-        the policy at `version`; wakes a sleeping engine (the resync is the only way out of sleep)."""
+        the policy at `version`; wakes a sleeping engine (the resync is the only way out of sleep).
+        Without `keep_running` nothing may be running; with it, running requests go on with their KV
+        cache, and each token is tagged with the version that sampled it."""
 
     def sleep(self) -> None:
         """Free what the engine can for the update phase; nothing generates until load_weights."""

@@ -156,9 +156,11 @@ class Rollout:
     def prompt_logprobs(self, seqs: list[list[int]]) -> list[list[float]]:
         return self.engine.prompt_logprobs(seqs)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Replace the engine's weights from a stream of (HF name, full tensor); wakes it."""
-        self.engine.load_weights(weights, version)
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int,
+                     keep_running: bool = False) -> None:
+        """Replace the engine's weights from a stream of (HF name, full tensor); wakes it. `keep_running`:
+        running requests go on under them (pipeline.kv_after_update=keep)."""
+        self.engine.load_weights(weights, version, keep_running)
 
     def load_adapter(self, tensors: dict[str, torch.Tensor], config, version: int) -> None:
         """A LoRA policy's adapters only (model.lora.resync=adapter); wakes the engine."""

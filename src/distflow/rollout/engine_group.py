@@ -116,9 +116,10 @@ class EngineGroup:
     def version(self) -> int:
         return self.engine.version
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None,
+                     keep_running: bool = False) -> None:
         """Every rank streams the full tensors; vLLM's loader keeps each worker's slice."""
-        self.engine.load_weights(weights, version)
+        self.engine.load_weights(weights, version, keep_running)
 
     def sleep(self) -> None:
         self.engine.sleep()
