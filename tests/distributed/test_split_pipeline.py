@@ -50,9 +50,14 @@ TRAINERS_WORK = ["validation.every=2", "validation.at_end=true", "validation.pas
                  "task.reward_models=[{path: @tmp/tiny-rm, weight: 0.5}]",
                  "task.judges=[{path: tiny, name: self, template: 'Is {answer} right? Y or N.', yes: Y, no: N}]"]
 KEEP = ["pipeline.max_concurrency=12", "pipeline.kv_after_update=keep", "pipeline.recompute_every=2"]
-REFERENCE = [("sync_ref", "sync_ref", ["run.steps=3", *TRAINERS_WORK], None)]
+# 2-turn episodes, every one a calculator round trip (tests/support/envs_for_tests.py)
+TOOLS = ["task.env=envs_for_tests:ScriptedToolEnv", "+task.env_args={tools: [calculator]}", "rollout.max_turns=2",
+         "rollout.max_total_tokens=64", "rollout.max_prompt_tokens=352", "run.steps=2"]
+REFERENCE = [("sync_ref", "sync_ref", ["run.steps=3", *TRAINERS_WORK], None),
+             ("sync_tools", "sync_tools", TOOLS, None)]
 CASES = [  # (name, folder, overrides, fault: (rank, step, what) in a rank's generation)
     ("split_eta0", "split_eta0", [*SPLIT, "run.steps=3", *TRAINERS_WORK], None),
+    ("split_tools", "split_tools", [*SPLIT, *TOOLS], None),
     ("dapo_eta1", "dapo_eta1", [*SPLIT, "algorithm=dapo", "run.steps=3", "pipeline.max_staleness=1"], None),
     ("eta2_straight", "eta2_straight", ETA2, None),
     ("eta2_first_half", "eta2_cut", ETA2, (3, 3, "signal")),  # seen where step 3 trains: stops after it
@@ -249,6 +254,14 @@ def test_eta_0_is_the_sync_run_on_the_trainers_count_bit_for_bit(runs):
     # the probe of version s (the rollout ranks' engines against the policy) comes back with step s + 1
     probes = [r["sync/max_abs_logprob_diff"] for r in runs["split_eta0"]["rows"]]
     assert math.isnan(probes[0]) and all(0 <= d <= 1e-5 for d in probes[1:]), probes
+
+
+def test_multi_turn_episodes_at_eta_0_are_the_sync_runs_bit_for_bit(runs):
+    """Tool episodes generated on the rollout ranks (each a calculator round trip), trained on the trainers."""
+    rows = _rows(runs, "split_tools", 2)
+    assert _differences(_rows(runs, "sync_tools", 2), rows) == []
+    assert runs["sync_tools"]["weights"] == runs["split_tools"]["weights"] is not None
+    assert all(r["turns/mean"] == 2 for r in rows), rows
 
 
 @pytest.mark.parametrize("name,eta,steps", [("dapo_eta1", 1, 3), ("eta2_straight", 2, 6)])

@@ -133,18 +133,19 @@ def _split_rules(cfg: DistflowConfig) -> list[tuple[bool, str]]:
     """What role-split ranks (pipeline.mode=split) do not run yet: each stops at start-up with its line."""
     if cfg.pipeline.mode != "split":
         return []
-    unsupported = [
-        (cfg.task.env or cfg.task.agent, "multi-turn episodes (task.env, task.agent)"),
-        (cfg.model.lora.enabled and cfg.model.lora.resync == "adapter", "model.lora.resync=adapter"),
+    k, inflight = cfg.rollout.tensor_parallel_size, cfg.pipeline.apply == "inflight"
+    return [
+        (not (cfg.model.lora.enabled and cfg.model.lora.resync == "adapter"),
+         "pipeline.mode=split does not run model.lora.resync=adapter yet: use pipeline.mode=sync or carryover"),
+        # an inflight rank's groups are single requests (distflow.pipeline.inflight), not episodes
+        (not (cfg.task.env and inflight),
+         "pipeline.apply=inflight does not run multi-turn episodes (task.env) yet: use pipeline.apply=staged"),
+        # the ranks of a tensor-parallel engine make the same engine calls in the same order: a staged rank's
+        # applications are fixed by the schedule, an inflight rank's by when each version arrives
+        (k == 1 or not inflight,
+         f"pipeline.apply=inflight with rollout.tensor_parallel_size={k}: the ranks of an engine would apply each "
+         "version where it reaches them, not at one engine step; use pipeline.apply=staged"),
     ]
-    rules = [(not bool(used), f"pipeline.mode=split does not run {what} yet: use pipeline.mode=sync or carryover")
-             for used, what in unsupported]
-    # the ranks of a tensor-parallel engine make the same engine calls in the same order: a staged rank's
-    # applications are fixed by the schedule, an inflight rank's by when each version arrives
-    k = cfg.rollout.tensor_parallel_size
-    return rules + [(k == 1 or cfg.pipeline.apply == "staged",
-                     f"pipeline.apply=inflight with rollout.tensor_parallel_size={k}: the ranks of an engine would "
-                     "apply each version where it reaches them, not at one engine step; use pipeline.apply=staged")]
 
 
 def config_record(cfg: DistflowConfig, auto: dict[str, Any] | None = None) -> dict[str, Any]:
