@@ -113,16 +113,28 @@ def test_a_split_runs_rollout_ranks_hold_the_engine_and_the_versions_they_stage(
 
     phases = split(2, kv_cache_gib=4.0, sleep_during_update=False)
     rollout = phases["rollout ranks' generate"]
-    assert rollout.keys() == {"CUDA context and NCCL", "vLLM engine", "staged versions"}
+    assert rollout.keys() == {"CUDA context and NCCL", "vLLM engine", "staged versions", "received bucket"}
     assert rollout["staged versions"] == 2 * 2 * qwen_32b.parameters
     assert rollout["vLLM engine"] == pytest.approx(2 * qwen_32b.parameters / 4 + 5 * GIB)
     assert "vLLM engine" not in phases["update"] and phases["generate"].keys() == split(0)["generate"].keys()
     assert split(3, "inflight")["rollout ranks' generate"]["staged versions"] == 2 * qwen_32b.parameters
     # a 32B model's staged copy (65.6 GB) leaves no room for an engine on an 80 GB card: one line, the knobs
     with pytest.raises(ConfigError, match=r"^the rollout ranks' generate phase needs about 1\d\d\.\d GiB per GPU "
-                                          r"\(staged versions 122\.\d.*lower pipeline.max_staleness"):
+                                          r"\(staged versions 122\.\d.*pipeline.staging=host"):
         check(split(2, kv_cache_gib=4.0), H100)
     seven_b = ModelShape(7_000_000_000, 3584, 28, 18944, 152064)
     check(split(2, shape=seven_b, gpu_memory_utilization=0.3), H100)  # 2 x 14 GB staged beside 24 GB of engine
     with pytest.raises(ConfigError, match=r"^the rollout ranks' generate phase .*staged versions 65\.2"):
         check(split(5, shape=seven_b, gpu_memory_utilization=0.3), H100)
+
+
+def test_versions_staged_in_host_memory_leave_the_rollout_ranks_gpu_to_the_engine(qwen_32b):
+    """pipeline.staging=host: the 32B split run refused above fits; its rollout ranks' GPU holds the engine
+    and one broadcast bucket (64 MiB), the received versions wait in pinned host memory."""
+    cfg = _cfg(kv_cache_gib=4.0)
+    cfg.pipeline.mode, cfg.pipeline.rollout_ranks, cfg.pipeline.max_staleness = "split", 8, 2
+    cfg.pipeline.staging = "host"
+    phases = estimate(cfg, qwen_32b, None, H100, 8, 4, 2)
+    check(phases, H100)
+    rollout = phases["rollout ranks' generate"]
+    assert rollout["staged versions"] == 0 and rollout["received bucket"] == 64 * 2**20

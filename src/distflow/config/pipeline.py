@@ -7,6 +7,8 @@ from typing import Literal, Optional
 
 from distflow.config.fields import knob, section
 
+BROADCAST_BUCKET_BYTES = 64 << 20  # a split run's weight broadcast: one per this many bytes (or dtype change)
+
 
 @section
 class PipelineConfig:
@@ -39,6 +41,11 @@ class PipelineConfig:
         0.0, "split with apply=inflight and dynamic sampling: each step draws its prompts x (1 + oversample), scores "
              "every group on the rollout ranks and trains those whose rewards differ. No extra rounds (the ranks "
              "do not wait for each other), so a step trains a varying number of groups.")
+    staging: Literal["device", "host"] = knob(
+        "device", "split: where a rollout rank keeps the versions it has received and not applied yet (up to "
+                  "max_staleness of them staged, one inflight), each a full copy of the weights. device: on its "
+                  "GPU. host: in pinned host memory, one broadcast bucket on the GPU at a time, each version "
+                  "copied to the engine when applied: for models whose copies do not fit beside the engine.")
     kv_after_update: Literal["recompute", "keep"] = knob(
         "recompute", "split with apply=inflight: what running samples do where a version is applied. recompute: "
                      "aborted and their prompt and tokens so far prefilled again under it (AReaL). keep: they go on "
@@ -56,6 +63,11 @@ class PipelineConfig:
     max_concurrency: Optional[int] = knob(None, "Samples running in the engine at once (carryover, and split "
                                                 "with apply=inflight: a step's groups start once they fit; a "
                                                 "group's samples count alike); null: every admitted group at once.")
+
+    @property
+    def staged_on_device(self) -> int:
+        """Full copies of the weights a split run's rollout rank holds on its device beside the engine."""
+        return self.versions_ahead if self.staging == "device" else 0
 
     @property
     def versions_ahead(self) -> int:

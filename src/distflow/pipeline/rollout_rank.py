@@ -69,8 +69,9 @@ class RolloutRank:
     def train(self) -> None:
         """Generate every target of the run (named as the trainer's, so the recipe runs either); an error
         here reaches the trainers as this rank's line instead of leaving them to wait out the deadline."""
+        p = self.cfg.pipeline
         self.versions = StagedVersions(self.receiver, self.cfg.run.steps, self.cfg.run.collective_timeout_s,
-                                       self.cfg.pipeline.versions_ahead)
+                                       p.versions_ahead, host=p.staging == "host")
         try:
             self.generate()
         except RunAborted:

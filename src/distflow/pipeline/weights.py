@@ -11,7 +11,7 @@ The broadcasts are polled against the run's deadline like every wait between the
 A rollout rank receives in a thread (`StagedVersions`): each version's buckets into tensors of its own
 as soon as its trainer broadcasts them, so a trainer waits for no engine step. A bounded number of
 versions wait to be applied (the staged schedule's eta, inflight's one: the weights' memory that many
-times more on the rollout rank, on its device).
+times more on the rollout rank, on its device, or with pipeline.staging=host in pinned host memory).
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from distflow.config.pipeline import BROADCAST_BUCKET_BYTES
 from distflow.distributed import waiting
 from distflow.pipeline.links import Links, PeerSilent, received
 
 POLL_S = 0.002
 
-BUCKET_BYTES = 64 << 20  # one broadcast per this many bytes (or per dtype change)
+BUCKET_BYTES = BROADCAST_BUCKET_BYTES  # one broadcast per this many bytes (or per dtype change)
 
 
 def _buckets(weights: Iterable[tuple[str, torch.Tensor]], limit: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -123,14 +124,23 @@ class WeightReceiver:
             message = self.announce()
 
 
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A received tensor in pinned host memory (a CPU tensor stays as it is: the host is its device)."""
+    if t.device.type == "cpu":
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+
+
 class StagedVersions:
     """A rollout rank's announces, received by a thread as they come: a version's weights into tensors of
     their own (its bucket broadcasts joined at once while fewer than `ahead` received versions wait to
     be taken, so the trainer waits for no engine step), a control as it is. The rank takes them in
     order: `wait` for the next, or `poll` between engine steps."""
 
-    def __init__(self, receiver: WeightReceiver, steps: int, timeout_s: float, ahead: int = 1):
-        self.receiver, self.steps, self.timeout_s = receiver, steps, timeout_s
+    def __init__(self, receiver: WeightReceiver, steps: int, timeout_s: float, ahead: int = 1, host: bool = False):
+        """`host` (pipeline.staging=host): each received tensor moves to pinned host memory at once, so the
+        device holds one broadcast bucket at a time instead of `ahead` versions."""
+        self.receiver, self.steps, self.timeout_s, self.host = receiver, steps, timeout_s, host
         self.room = threading.Semaphore(ahead)  # versions staged and not yet taken, at most `ahead`
         self.queue: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._receive, name="distflow-versions", daemon=True)
@@ -144,7 +154,8 @@ class StagedVersions:
                     tensors = None
                     if message["bucket"] is not None:
                         self.room.acquire()  # the trainer's broadcast waits here while a version waits to be taken
-                        tensors = list(self.receiver.tensors(message))
+                        tensors = [(name, _to_host(t) if self.host else t) for name, t in
+                                   self.receiver.tensors(message)]
                     self.queue.put((message, tensors))
                     continue
                 self.queue.put((message, None))

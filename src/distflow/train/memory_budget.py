@@ -19,7 +19,7 @@ A split run (pipeline.mode=split) checks both roles on every rank, so all stop w
 trainers as above, their engine asleep through every update (it wakes only to validate), and the
 rollout ranks, which hold no training state but their engine, awake throughout, beside the versions
 they have received and not applied yet (pipeline.max_staleness of them when staged, one inflight),
-each a full copy of the weights.
+each a full copy of the weights, unless pipeline.staging=host keeps them in host memory.
 
 Activations are the coarse term: per token, with activation checkpointing, each block's saved
 input and one block's recompute; without it, every block's intermediates. Run with
@@ -32,6 +32,7 @@ import dataclasses
 from typing import Collection
 
 from distflow.config import ConfigError, DistflowConfig
+from distflow.config.pipeline import BROADCAST_BUCKET_BYTES
 
 GIB = 2**30
 CONTEXT_BYTES = 2 * GIB  # CUDA context, NCCL's buffers, the allocator's fragmentation
@@ -116,7 +117,8 @@ def rollout_rank_estimate(cfg: DistflowConfig, policy: ModelShape, device_bytes:
     p = cfg.pipeline
     return {"CUDA context and NCCL": CONTEXT_BYTES,
             "vLLM engine": engine_bytes(cfg, policy, device_bytes, engine_tp, compute_bytes),
-            "staged versions": p.versions_ahead * compute_bytes * policy.parameters}
+            "staged versions": p.staged_on_device * compute_bytes * policy.parameters,
+            "received bucket": BROADCAST_BUCKET_BYTES}
 
 
 def check(phases: dict[str, dict[str, float]], device_bytes: int) -> None:
@@ -131,10 +133,10 @@ def check(phases: dict[str, dict[str, float]], device_bytes: int) -> None:
                              "ranks (model.shard_ranks, more GPUs)",
                  "update": "set model.activation_checkpointing=true, lower optim.micro_batch_size or set "
                            "optim.micro_batch_tokens, keep rollout.sleep_during_update=true, or shard over more ranks",
-                 "rollout ranks' generate": "lower rollout.gpu_memory_utilization (or set rollout.kv_cache_gib) to "
-                                            "leave room for the staged versions, or lower pipeline.max_staleness (a "
-                                            "staged rollout rank holds up to that many received versions; "
-                                            "pipeline.apply=inflight one)"}[phase]
+                 "rollout ranks' generate": "set pipeline.staging=host (the received versions wait in host memory), "
+                                            "lower pipeline.max_staleness (a staged rollout rank holds up to that "
+                                            "many; pipeline.apply=inflight one), or lower "
+                                            "rollout.gpu_memory_utilization (or set rollout.kv_cache_gib)"}[phase]
         raise ConfigError(f"the {phase} phase needs about {total / GIB:.1f} GiB per GPU ({parts} GiB), more than the "
                           f"device's {device_bytes / GIB:.1f} GiB: {knobs}; run.memory_check=false skips this estimate")
 
