@@ -51,7 +51,11 @@ class Links:
         payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         size = torch.tensor([len(payload)], dtype=torch.int64)
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        works = [dist.isend(size, dst, group=self.group), dist.isend(data, dst, group=self.group)]
+        try:
+            works = [dist.isend(size, dst, group=self.group), dist.isend(data, dst, group=self.group)]
+        except RuntimeError as e:  # gloo refuses at once once the peer's connection has closed
+            raise PeerSilent(f"rank {dst} died or hung: rank {self.rank} could not send to it ({one_line(e)}); "
+                             "stopping") from None
         self._in_flight.append((works, [size, data]))
         while len(self._in_flight) > KEEP_SENDS:  # gloo completes a send only in wait(): the oldest, long received
             for w in self._in_flight.pop(0)[0]:
