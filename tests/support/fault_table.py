@@ -477,6 +477,12 @@ FAULTS: list[Fault] = [
                "request where it applies a version)",),
           "nothing was started", "Add `pipeline.apply=inflight`, or drop the key.",
           _config({"pipeline": {"mode": "split", "rollout_ranks": 1, "kv_after_update": "keep"}})),
+    Fault("config-keep-adapter", "config", "`pipeline.kv_after_update=keep` with LoRA adapter resyncs",
+          (E + "pipeline.kv_after_update=keep with model.lora.resync=adapter: the running requests would change "
+               "adapters mid-sequence; use kv_after_update=recompute, or lora.resync=merged",),
+          "nothing was started", "Use `pipeline.kv_after_update=recompute`, or `model.lora.resync=merged`.",
+          _config({"pipeline": {"mode": "split", "rollout_ranks": 1, "apply": "inflight", "kv_after_update": "keep"},
+                   "model": {"lora": {"enabled": True, "resync": "adapter"}}, "rollout": {"engine": "vllm"}})),
     Fault("config-split-inflight-tensor-parallel", "config",
           "`pipeline.apply=inflight` with `rollout.tensor_parallel_size` > 1",
           (E + "pipeline.apply=inflight with rollout.tensor_parallel_size=2: the ranks of an engine would apply each "

@@ -135,8 +135,10 @@ def _split_rules(cfg: DistflowConfig) -> list[tuple[bool, str]]:
         return []
     k, inflight = cfg.rollout.tensor_parallel_size, cfg.pipeline.apply == "inflight"
     return [
-        (not (cfg.model.lora.enabled and cfg.model.lora.resync == "adapter"),
-         "pipeline.mode=split does not run model.lora.resync=adapter yet: use pipeline.mode=sync or carryover"),
+        # vLLM replaces its one adapter in place: requests running across it would change adapters
+        (not (cfg.model.lora.enabled and cfg.model.lora.resync == "adapter" and cfg.pipeline.kv_after_update == "keep"),
+         "pipeline.kv_after_update=keep with model.lora.resync=adapter: the running requests would change adapters "
+         "mid-sequence; use kv_after_update=recompute, or lora.resync=merged"),
         # an inflight rank's groups are single requests (distflow.pipeline.inflight), not episodes
         (not (cfg.task.env and inflight),
          "pipeline.apply=inflight does not run multi-turn episodes (task.env) yet: use pipeline.apply=staged"),

@@ -240,18 +240,19 @@ class InflightRolloutRank(RolloutRank):
         for message, tensors in messages:
             if message["kind"] == "weights":
                 self.version = max(self.version, message["version"])
-                newest = (message["version"], tensors) if tensors is not None else newest
+                newest = (message, tensors) if tensors is not None else newest
             elif not self.goes_on(message):
                 self.live.drop()
                 return False
             else:
                 self.ended = message["step"] >= self.cfg.run.steps
         if newest is not None:
-            version, tensors = newest
+            announce, tensors = newest
+            version = announce["version"]
 
             def load() -> None:  # nothing runs here: the probe compares the version held, or the one loaded
                 self.answer_probe()
-                self.rollout.load_weights(tensors, version)
+                self.load(announce, tensors)
                 self.answer_probe()
 
             p = self.cfg.pipeline
@@ -259,7 +260,7 @@ class InflightRolloutRank(RolloutRank):
                 if p.kv_after_update == "keep" and self.live.running() and not (
                         p.recompute_every and version % p.recompute_every == 0):
                     # the samples go on under it; the probe waits for an engine with nothing running
-                    self.rollout.load_weights(tensors, version, keep_running=True)
+                    self.load(announce, tensors, keep_running=True)
                 else:
                     self.live.recompute(load)
         return True

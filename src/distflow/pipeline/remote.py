@@ -104,11 +104,20 @@ class RemoteRollout:
     # ----------------------------------------------------------------- weights and control out
     def load_weights(self, weights, version: int) -> None:
         """Publish `version` to this trainer's rollout set (its tensors only where a target needs them)."""
+        self._publish(weights, version)
+
+    def load_adapter(self, tensors: dict, config, version: int) -> None:
+        """Publish `version` as a LoRA policy's adapters alone (model.lora.resync=adapter): its tensors, and
+        its PEFT config in every announce, which the rollout ranks' engines load as the adapter they serve."""
+        self._publish(tensors.items(), version, {"adapter": config})
+
+    def _publish(self, weights, version: int, fields: dict | None = None) -> None:
         notes = {}
         if self.resumed:  # where each rollout rank goes on: its cursor, and the first target no checkpoint holds
             nxt = max(self.inbox, default=version) + 1
             notes = {dst: {"cursor": self.cursors[dst], "next": nxt} for dst in self.rollout_set}
             self.resumed = False
+        notes = {dst: {**notes.get(dst, {}), **(fields or {})} for dst in self.rollout_set}
         needed = weights_needed(version, self.eta, self.steps, self.cfg.pipeline.apply == "inflight")
         self.publisher.publish(weights if needed else None, version, notes)
 

@@ -151,8 +151,16 @@ class RolloutRank:
         """A version as staged: its weights into the engine (None: announced without them)."""
         if tensors is not None:
             with self.timer.phase("receive"):
-                self.rollout.load_weights(tensors, announce["version"])
+                self.load(announce, tensors)
         self.version = announce["version"]
+
+    def load(self, announce: dict, tensors: list, keep_running: bool = False) -> None:
+        """A received version into the engine: the full weights, or a LoRA policy's adapters (the announce
+        then carries their PEFT config: model.lora.resync=adapter)."""
+        if announce.get("adapter") is not None:
+            self.rollout.load_adapter(dict(tensors), announce["adapter"], announce["version"])
+        else:
+            self.rollout.load_weights(tensors, announce["version"], keep_running)
 
     def send(self, target: int, kept: Rollouts, first: int, generate_s: float, cursor: dict | None = None,
              counts: dict[str, int] | None = None) -> None:

@@ -79,7 +79,10 @@ class SplitTrainer(Trainer):
         them for it (a collective over the trainers, as the resync's gather), while the rollout ranks go
         on generating."""
         local = self.rollout.local
-        local.load_weights(self.learner.weights(), self.step)
+        if self.learner.sends_adapter:
+            local.load_adapter(*self.learner.adapter(), self.step)
+        else:
+            local.load_weights(self.learner.weights(), self.step)
         try:
             return local.evaluate(tag)
         finally:
