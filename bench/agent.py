@@ -13,7 +13,8 @@ asks for 4 choices of its first turn and goes on from the first (each episode tr
 them branches sharing the first prompt), packed and padded; step 1 of each is a warm-up. Per
 variant: episodes and generated tokens per second of generation, generate/update/step seconds,
 the update's forward tokens (`update/forward_tokens`), and the ratios against `wave`. Writes
-bench/results/agent.json (--smoke: the tiny model, the HF engine, 1 process, 1 step, one launch each, at once).
+bench/results/agent.json (--smoke: the tiny model, the HF engine, 1 process, 1 step of one prompt's group,
+2 turns, one launch each, at once).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def launch(args, model: str, variant: str, repeat: int, wd) -> dict:
     tag = f"{model}_{variant}_{repeat}"
     out = wd / tag
     C.fresh(out)
-    s = SETTINGS if not args.smoke else dict(SETTINGS, prompts_per_rank=2, max_new_tokens=8)
+    s = SETTINGS if not args.smoke else dict(SETTINGS, prompts_per_rank=1, max_new_tokens=8)  # one group
     extra = ["task.agent=agent_harness:run", f"rollout.max_turns={args.turns}",
              f"rollout.max_total_tokens={args.turns * (s['max_new_tokens'] + 24)}", "run.sync_probe_seqs=0",
              *VARIANTS[variant][0]]
@@ -61,11 +62,12 @@ def main() -> None:
     p = C.parser(__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=None, help="launches per variant (default 2; --smoke: 1)")
     p.add_argument("--steps", type=int, default=None, help="steps per launch incl. 1 warm-up (default 4; --smoke: 1, kept)")
-    p.add_argument("--turns", type=int, default=3, help="requests per episode")
+    p.add_argument("--turns", type=int, default=None, help="requests per episode (default 3; --smoke: 2)")
     p.add_argument("--tool-ms", type=float, default=20.0, help="the harness's tool latency between requests")
     args = p.parse_args()
     args.repeats = args.repeats or (1 if args.smoke else 2)
     args.steps = args.steps or (1 if args.smoke else 4)
+    args.turns = args.turns or (2 if args.smoke else 3)  # --smoke: still a tool's sleep and reply between turns
     wd = C.work_dir(args, "agent")
     records = []
     for model in C.models(args):

@@ -29,6 +29,7 @@ ARITH = ROOT / "recipes" / "data" / "arith.jsonl"
 SYSTEM_PROMPT = "Answer with the final number after 'The answer is'."  # recipes/task/arith_jsonl.yaml
 MODELS = ("tiny", "smollm2_135m")
 CORES = os.cpu_count() or 1
+_at_once = 1  # launches `each` runs together: they share the cores, so each process gets fewer threads
 
 
 def run_grpo_recipe() -> None:
@@ -112,7 +113,7 @@ def bench_env(nproc: int, extra: dict | None = None) -> dict:
     as distflow's entry point asks for them (the same for every framework)."""
     from distflow.run.hostmem import prefer_huge_pages
 
-    threads = max(1, CORES // nproc)
+    threads = max(1, CORES // (nproc * _at_once))
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), WANDB_MODE="disabled")
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT / "src"), str(BENCH), os.environ.get("PYTHONPATH", "")] if p)
@@ -133,13 +134,20 @@ def torchrun(script: Path | str, args: list[str], nproc: int, log: Path, timeout
 def each(fn, items: list, together: bool = False) -> list:
     """[fn(x) for x in items], each call typically one launch. `together` (--smoke runs, whose
     times nobody reads) makes the calls at once, in threads, so independent launches overlap
-    their start-ups on the machine's cores; results keep the order of `items` either way."""
+    their start-ups on the machine's cores; results keep the order of `items` either way. Their
+    processes split the cores' OpenMP threads (bench_env): more threads than cores would spin
+    against each other."""
+    global _at_once
     if not together or len(items) < 2:
         return [fn(x) for x in items]
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(len(items)) as pool:
-        return list(pool.map(fn, items))
+    _at_once = len(items)
+    try:
+        with ThreadPoolExecutor(len(items)) as pool:
+            return list(pool.map(fn, items))
+    finally:
+        _at_once = 1
 
 
 def run(cmd: list[str], log: Path, timeout: float, env: dict | None = None) -> float:

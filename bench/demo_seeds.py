@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import threading
 from pathlib import Path
 
 import common as C
@@ -92,7 +93,7 @@ def run_trl(args, wd: Path, seed: int, cfg: dict, rows: Path) -> dict:
     C.fresh(wd / tag)
     targs = trl_args(cfg, rows, seed, wd / tag / "model", wd / tag / "trl.json", wd / tag / "trainer")
     if args.smoke:
-        targs.append("--hide-vllm")
+        targs += ["--hide-vllm", "--skip-teardown"]
     wall = C.torchrun(C.BENCH / "trl_grpo.py", targs, 2, wd / f"{tag}.log")
     rec = json.loads((wd / tag / "trl.json").read_text())
     steps = [e for e in rec["log"] if "frac_reward_zero_std" in e]
@@ -101,6 +102,13 @@ def run_trl(args, wd: Path, seed: int, cfg: dict, rows: Path) -> dict:
             "signal_steps": sum(e["frac_reward_zero_std"] < 1 for e in steps),
             "reward_mean": statistics.fmean(e["reward"] for e in steps), "wall_s": wall,
             "command": "torchrun --standalone --nproc_per_node 2 bench/trl_grpo.py " + " ".join(targs)}
+
+
+def import_rows_generator() -> None:
+    """reasoning-gym and distflow's loader of its rows, which training_rows imports (seconds)."""
+    import reasoning_gym  # noqa: F401
+
+    from distflow.tasks.gym import gym_rows  # noqa: F401
 
 
 def training_rows(cfg: dict, path: Path) -> Path:
@@ -122,6 +130,8 @@ def main() -> None:
     args = p.parse_args()
     frameworks = args.frameworks.split(",")
     wd = C.work_dir(args, "demo_seeds")
+    if "trl" in frameworks:  # imported while the base model is evaluated, not after
+        threading.Thread(target=import_rows_generator, daemon=True).start()
     base, cfg = evaluate(args, wd, "base", [])
     cfg["train_steps"] = demo_steps(args)
     before = base["heldout_pass1_before"]

@@ -1,7 +1,7 @@
 """The precision contract, measured: how far the engine's logprobs are from the trainer's for each
 engine, dtype and LM-head precision, and what each costs.
 
-For every (task, engine, precision) one run of the recipe: 2 CPU ranks, --steps steps. Step 1's
+For every (task, engine, precision) one run of the recipe: 2 CPU ranks (--smoke: 1), --steps steps. Step 1's
 mismatch is pure numerics (the engine sampled with the weights the update's first forward
 uses): mismatch/abs_mean, abs_p99, abs_max and kl (k3 of KL(mu || pi)), and the tokens the PPO
 clip would cut at step 1 if the engine were the old policy (rollout_correction=bypass, the
@@ -43,8 +43,9 @@ def one(args, task: str, engine: str, precision: str, bypass: bool) -> dict:
     C.fresh(out)
     overrides = [*TASKS[task], f"rollout={engine}", *PRECISIONS[precision], *COMMON, f"run.steps={args.steps}",
                  f"run.output_dir={out}", *(["rollout_correction=bypass"] if bypass else []),
-                 *(["model=tiny", "rollout.max_new_tokens=16"] if args.smoke else [])]
-    wall = C.torchrun(C.GRPO, overrides, 2, out.parent / f"{name}.log")
+                 *(["model=tiny", "rollout.max_new_tokens=16"] if args.smoke else [])]  # at 8, bf16's gap was 1e-6
+    # --smoke: one rank each, as its two launches run at once (a rank's mismatch does not depend on the world size)
+    wall = C.torchrun(C.GRPO, overrides, 1 if args.smoke else 2, out.parent / f"{name}.log")
     rows = C.read_metrics(out)
     first, later = rows[0], rows[1:] or rows
     row = {"task": task, "engine": engine, "precision": precision, "bypass": bypass, "wall_s": wall,

@@ -65,7 +65,7 @@ def precision(trainer) -> dict:
             "mixed_precision": str(acc.mixed_precision), "autocast": bool(acc.native_amp)}
 
 
-def main() -> None:
+def main() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--model-path", required=True)
     p.add_argument("--data", required=True)
@@ -86,6 +86,9 @@ def main() -> None:
     p.add_argument("--hide-vllm", action="store_true",
                    help="tell TRL vLLM is not installed: it imports vLLM whenever it is, even with use_vllm=False, "
                         "which costs seconds of start-up (vs_trl.py --smoke)")
+    p.add_argument("--skip-teardown", action="store_true",
+                   help="once written, end without the interpreter's teardown of torch, transformers and TRL "
+                        "(about a second; the --smoke runs, whose launch walls nobody compares)")
     a = p.parse_args()
     if a.hide_vllm:
         import trl.import_utils as trl_import_utils
@@ -139,7 +142,11 @@ def main() -> None:
             json.dump({"world_size": world, "torch_threads": torch.get_num_threads(), **precision(trainer),
                        "config": {k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str, bool, type(None)))},
                        "steps": steps, "log": trainer.state.log_history}, f, indent=1)
+    return a
 
 
 if __name__ == "__main__":
-    main()
+    if main().skip_teardown:
+        from distflow.run.exit import exit_process
+
+        exit_process(0)

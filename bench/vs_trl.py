@@ -1,11 +1,12 @@
 """End-to-end GRPO throughput: distflow (recipes/grpo.py, vLLM engine) vs TRL's GRPOTrainer
 (transformers generate), on the same model, prompts, group size, prompts per step, completion
 length, learning rate, beta = 0 and process count. Both are launched with
-`torchrun --standalone --nproc_per_node N` (gloo, OMP_NUM_THREADS = cores / N each); runs
-alternate (distflow first on even repeats, TRL first on odd ones). Step 1 of each run is a
-warm-up and is skipped; tokens/s = prompt+completion tokens of all ranks / summed step time.
---dtype bfloat16 trains both in bf16 over fp32 master weights: distflow with model.dtype=bfloat16
-(FSDP2's compute dtype and the engine's), TRL with GRPOConfig(bf16=True) (autocast).
+`torchrun --standalone --nproc_per_node N` (gloo, OMP_NUM_THREADS = cores / N each; --smoke, whose
+two launches run at once: cores / 2N); runs alternate (distflow first on even repeats, TRL first on
+odd ones). Step 1 of each run is a warm-up and is skipped; tokens/s = prompt+completion tokens of
+all ranks / summed step time. --dtype bfloat16 trains both in bf16 over fp32 master weights:
+distflow with model.dtype=bfloat16 (FSDP2's compute dtype and the engine's), TRL with
+GRPOConfig(bf16=True) (autocast).
 
     .venv/bin/python bench/vs_trl.py                      # tiny + smollm2_135m (if available), 1 and 2 processes
     .venv/bin/python bench/vs_trl.py --models tiny --repeats 5
@@ -54,7 +55,7 @@ def run_trl(model_path: str, nproc: int, steps: int, s: dict, wd, tag: str, dtyp
             "--num-generations", str(s["group_size"]), "--prompts-per-step", str(s["prompts_per_step"]),
             "--max-completion-length", str(s["max_new_tokens"]), "--lr", str(s["lr"]), "--steps", str(steps),
             "--output-dir", str(wd / f"trl-{tag}"), "--out", str(out), *(["--bf16"] if dtype == "bfloat16" else []),
-            *(["--hide-vllm"] if smoke else [])]
+            *(["--hide-vllm", "--skip-teardown"] if smoke else [])]
     wall = C.torchrun(C.BENCH / "trl_grpo.py", args, nproc, wd / f"trl-{tag}.log")
     rec = json.loads(out.read_text())
     ms = rec["steps"][1:]
@@ -121,7 +122,8 @@ def main() -> None:
                 "goal_ratio": GOALS[model], "meets_goal": statistics.median(ratios) >= GOALS[model],
                 "repeats": repeats, "measured_steps": measured, "warmup_steps": 1,
                 "config": {**s, "global_sequences_per_step": s["prompts_per_step"] * s["group_size"],
-                           "omp_num_threads_per_process": max(1, C.CORES // nproc), "beta": 0.0,
+                           "omp_num_threads_per_process": max(1, C.CORES // (nproc * (2 if args.smoke else 1))),
+                           "beta": 0.0,
                            "distflow_command": reps[0]["distflow"]["command"], "trl_command": reps[0]["trl"]["command"],
                            "trl_grpo_config": reps[0]["trl"]["trl_config"],
                            "trl_precision": reps[0]["trl"]["trl_precision"]},

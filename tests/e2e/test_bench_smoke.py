@@ -282,7 +282,7 @@ def test_agent_smoke(tmp_path):
         for key in ("episodes_per_s_median", "generated_tokens_per_s_median", "generate_s_median", "update_s_median",
                     "step_s_median", "forward_tokens_median"):
             assert _positive(v[key]), key
-        assert v["requests_mean_median"] == 3 and "task.agent=agent_harness:run" in v["commands"][0]
+        assert v["requests_mean_median"] == rec["turns"] == 2 and "task.agent=agent_harness:run" in v["commands"][0]
         assert v["rows_per_episode_median"] == (4 if name.startswith("n4") else 1), (name, v)
     # the group's prompt is fed once packed, once per episode padded (and padding on top); the n choices'
     # shared prompt once per request packed, once per row padded
