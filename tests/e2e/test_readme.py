@@ -59,7 +59,7 @@ PIPELINE_ELSEWHERE = {
     "pipeline.max_staleness=3": "e2e/test_smoke.py; eta 3 in bench/carryover.py (e2e/test_gpu_check.py's dry run)",
     ".venv/bin/torchrun --standalone --nproc_per_node=2 recipes/grpo.py experiment=smoke pipeline=split":
         "e2e/test_split_runs.py: split on vLLM under the docs' launcher (2 + 2, a tensor-parallel rollout group, "
-        "4 steps and a resume); distributed/test_split_pipeline.py: the preset's eta 1 with DAPO",
+        "4 steps, validation); distributed/test_split_pipeline.py: the preset's eta 1 with DAPO",
     ".venv/bin/torchrun --standalone --nproc_per_node=4 recipes/grpo.py experiment=smoke pipeline=split  "
     "pipeline.rollout_ranks=2 pipeline.max_staleness=2": "distributed/test_split_pipeline.py: 2 + 2 ranks at eta 2, "
                                                           "signalled and resumed",
