@@ -173,7 +173,7 @@ def step_report(cfg: DistflowConfig, rec: StepRecord) -> dict[str, float]:
 
 
 PARTIAL_KEYS = ("carried_groups", "carried_tokens", "reprefill_tokens", "forced_groups")
-# from the rollout ranks' stats (distflow.pipeline.remote.SUMMED)
+# the rollout ranks' stats (without the prefix: distflow.pipeline.rollout_rank.RolloutRank.send), summed
 SPLIT_SUMS = ("rollout_wall_s", "rollout_generate_s", "rollout_reprefill_tokens", "rollout_late_groups")
 
 

@@ -22,15 +22,13 @@ import torch
 from distflow.config import ConfigError, DistflowConfig
 from distflow.distributed.roles import RoleGroups
 from distflow.errors import RunAborted
+from distflow.metrics.report import SPLIT_SUMS
 from distflow.pipeline.links import Links, received
 from distflow.pipeline.schedule import dealt_retries, held_targets, weights_needed
 from distflow.pipeline.weights import WeightPublisher
 from distflow.rollout import Rollout
 from distflow.rollout.groups import RolloutStats, Rollouts
 from distflow.sample import sample_from_data, sample_to_data
-
-
-SUMMED = ("wall_s", "generate_s", "reprefill_tokens", "late_groups")  # a rollout rank's stats the metrics sum
 
 
 class RemoteRollout:
@@ -95,9 +93,9 @@ class RemoteRollout:
             if m["stats"] is not None:
                 stats.generated_groups += m["stats"]["generated_groups"]
                 stats.add_failures(m["stats"]["reward_failures"])
-                for key in SUMMED:  # this trainer's rollout set's
-                    total = stats.pipeline.get(f"rollout_{key}", 0.0)
-                    stats.pipeline[f"rollout_{key}"] = total + m["stats"].get(key, 0.0)
+                for key in SPLIT_SUMS:  # this trainer's rollout set's: rollout_<the rollout rank's stat>
+                    total = stats.pipeline.get(key, 0.0)
+                    stats.pipeline[key] = total + m["stats"].get(key.removeprefix("rollout_"), 0.0)
         kept.stats = stats
         return kept
 

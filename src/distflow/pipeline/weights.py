@@ -30,8 +30,6 @@ from distflow.pipeline.links import Links, PeerSilent, received
 
 POLL_S = 0.002
 
-BUCKET_BYTES = BROADCAST_BUCKET_BYTES  # one broadcast per this many bytes (or per dtype change)
-
 
 def _buckets(weights: Iterable[tuple[str, torch.Tensor]], limit: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     bucket, size = [], 0
@@ -61,7 +59,7 @@ class WeightPublisher:
     """A trainer's side: announce a version to its rollout set, then broadcast its tensors."""
 
     def __init__(self, links: Links, rank: int, rollout_set: list[int], group, timeout_s: float,
-                 bucket_bytes: int = BUCKET_BYTES):
+                 bucket_bytes: int = BROADCAST_BUCKET_BYTES):
         self.links, self.rank, self.rollout_set, self.group = links, rank, rollout_set, group
         self.timeout_s, self.bucket_bytes = timeout_s, bucket_bytes
         self.sent_bytes = 0  # weight bytes this trainer broadcast so far
