@@ -22,11 +22,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# Modules a rank would otherwise import itself, ~5 s of CPU per rank: ranks fork from a server that
-# imported them once (multiprocessing's forkserver), so a rank starts in a fraction of a second.
-PRELOAD = ["torch", "torch.distributed.fsdp", "transformers", "distflow.trainer"]
+# Modules a rank would otherwise import itself, ~5 s of CPU per rank, and ~3 s more for each rank
+# that builds a vLLM engine (its engine and worker modules load lazily, 2,500 of them): ranks fork
+# from a server that imported them once (multiprocessing's forkserver), so a rank starts in a
+# fraction of a second.
+PRELOAD = ["torch", "torch.distributed.fsdp", "transformers", "distflow.trainer", "distflow.job",
+           "distflow.rollout.hf_engine", "hydra", "hydra._internal.config_loader_impl"]
 if importlib.util.find_spec("vllm") is not None:
-    PRELOAD.append("vllm")
+    PRELOAD += ["vllm", "vllm.entrypoints.llm", "vllm.v1.worker.cpu_worker"]
 # Variables those modules read at import (the Hugging Face libraries' cache and offline settings):
 # when a test changes one, its ranks are spawned fresh instead. Every other variable reaches the
 # ranks as the test set it (`_entry`).
