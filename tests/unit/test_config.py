@@ -80,7 +80,7 @@ def test_wrong_type_is_rejected():
 def test_every_choice_is_checked():
     """Every Literal field refuses a value outside its choices (the generic check sees them all)."""
     fields = [(key, choices_of(ann)) for key, _, ann in leaf_keys(DistflowConfig) if choices_of(ann)]
-    assert len(fields) == 24, fields  # model: dtype, grad sync, lora resync; optim: shared prefix; rollout: engine, eager; algorithm: 4 + rollout_correction: 2; pipeline: mode, apply, staging, kv_after_update, late; task; agent: wait, rows; run: 2; logging: 2
+    assert len(fields) == 25, fields  # model: dtype, grad sync, lora resync; optim: shared prefix; rollout: engine, eager; algorithm: 4 + rollout_correction: 2; pipeline: mode, apply, staging, kv_after_update, late, env_wait; task; agent: wait, rows; run: 2; logging: 2
     for key, _ in fields:
         cfg = valid()
         *path, leaf = key.split(".")

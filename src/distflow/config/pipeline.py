@@ -60,6 +60,11 @@ class PipelineConfig:
                 "those started with version >= s - eta train at step s + 1 instead (the bound still holds; the "
                 "others are waited for). drop: they are aborted and never trained (their prompts are skipped: a "
                 "length bias). Both make a step's number of groups vary.")
+    env_wait: Literal["wave", "free"] = knob(
+        "wave", "split with apply=inflight and multi-turn episodes (task.env): when the environment answers the "
+                "model's turns. wave: the turns that finished in one engine step are answered together, the "
+                "engine waiting. free: each turn goes to the environment as it finishes, and the engine steps the "
+                "other episodes meanwhile; an episode's next turn starts as its answer arrives.")
     max_concurrency: Optional[int] = knob(None, "Samples running in the engine at once (carryover, and split "
                                                 "with apply=inflight: a step's groups start once they fit; a "
                                                 "group's samples count alike); null: every admitted group at once.")
@@ -95,6 +100,9 @@ class PipelineConfig:
             (self.kv_after_update == "recompute" or self.apply == "inflight",
              f"pipeline.kv_after_update={self.kv_after_update} needs pipeline.apply=inflight (a staged rank's "
              "engine holds no running request where it applies a version)"),
+            (self.env_wait == "wave" or self.apply == "inflight",
+             f"pipeline.env_wait={self.env_wait} needs pipeline.apply=inflight (a staged rank's episodes advance in "
+             "the synchronous loop's waves)"),
             (self.recompute_every >= 0, f"pipeline.recompute_every must be >= 0, got {self.recompute_every}"),
             (self.recompute_every == 0 or self.kv_after_update == "keep",
              f"pipeline.recompute_every={self.recompute_every} needs pipeline.kv_after_update=keep (recompute "

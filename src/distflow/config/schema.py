@@ -139,9 +139,6 @@ def _split_rules(cfg: DistflowConfig) -> list[tuple[bool, str]]:
         (not (cfg.model.lora.enabled and cfg.model.lora.resync == "adapter" and cfg.pipeline.kv_after_update == "keep"),
          "pipeline.kv_after_update=keep with model.lora.resync=adapter: the running requests would change adapters "
          "mid-sequence; use kv_after_update=recompute, or lora.resync=merged"),
-        # an inflight rank's groups are single requests (distflow.pipeline.inflight), not episodes
-        (not (cfg.task.env and inflight),
-         "pipeline.apply=inflight does not run multi-turn episodes (task.env) yet: use pipeline.apply=staged"),
         # the ranks of a tensor-parallel engine make the same engine calls in the same order: a staged rank's
         # applications are fixed by the schedule, an inflight rank's by when each version arrives
         (k == 1 or not inflight,

@@ -22,6 +22,9 @@ Where a target is due (the trainers hold version s - 1) with groups still runnin
 move those the bound allows to the next target (`retarget`) or abort them (`drop`) once one of its
 groups is done.
 
+Multi-turn episodes (task.env) run the same way, each one a state machine whose turns are requests
+(distflow.pipeline.inflight_episodes, with pipeline.env_wait).
+
 Checkpoints and signals are those of the staged mode: each target's message carries the data cursor
 as it was right after the target's positions were drawn, so a checkpoint after step c (targets up to
 c + eta, sent already) resumes before target c + eta + 1, which a stopping rank drops unsent and the
@@ -31,6 +34,7 @@ not sent yet (`retry`), which the resumed run draws first.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -61,6 +65,8 @@ class _Group:
 class InflightGroups:
     """The groups in the engine, of every admitted target: stepped together, cut where a version is
     applied and continued under it (`recompute`)."""
+
+    pool_lock = contextlib.nullcontext()  # held while this rank scores (multi-turn episodes: the environment's)
 
     def __init__(self, engine, seed: int, group_size: int, budget: int):
         self.engine, self.seed, self.group_size, self.budget = engine, seed, group_size, budget
@@ -156,15 +162,36 @@ class InflightGroups:
         self.engine.abort(list(self.owner))
         self.groups, self.owner = {}, {}
 
+    def close(self) -> None:
+        """Nothing to stop (multi-turn episodes: the environment's thread)."""
+
 
 class InflightRolloutRank(RolloutRank):
     """A rollout rank of a split run with pipeline.apply=inflight (see the module docstring)."""
 
     def generate(self) -> None:
         """Every target, admitted as the bound allows and sent as it finishes (see the module docstring)."""
+        self.live = self.groups()
+        try:
+            self._generate()
+        finally:
+            self.live.close()
+
+    def groups(self) -> InflightGroups:
+        """The groups in the engine: each sample one request, or an episode (task.env)."""
+        cfg, engine = self.cfg, self.rollout.engine
+        args = (engine, cfg.run.seed, cfg.algorithm.group_size, cfg.rollout.max_new_tokens)
+        if not cfg.task.env:
+            return InflightGroups(*args)
+        from distflow.pipeline.inflight_episodes import InflightEpisodes  # it builds on InflightGroups
+
+        rollout = self.rollout
+        return InflightEpisodes(*args, rollout.runner, lambda p: rollout.items[rollout.sampler.item(p)].fields,
+                                cfg.pipeline.env_wait)
+
+    def _generate(self) -> None:
         cfg = self.cfg
         eta, steps, engine = cfg.pipeline.max_staleness, cfg.run.steps, self.rollout.engine
-        self.live = InflightGroups(engine, cfg.run.seed, cfg.algorithm.group_size, cfg.rollout.max_new_tokens)
         self.ended = False
         if self.run.resume.checkpoint is not None:
             first, tensors = self.versions.wait()
@@ -227,7 +254,7 @@ class InflightRolloutRank(RolloutRank):
         out.stats.rounds, out.stats.generated_groups = 1, len(items)
         if not self.cfg.algorithm.dynamic_sampling:
             return out
-        with self.timer.phase("reward"):
+        with self.timer.phase("reward"), self.live.pool_lock:
             out.rewards = self.rollout.score(out)
         kept = Rollouts(out.group_size, stats=out.stats)
         kept.keep_groups(out, dynamic_sampling_keep(out.rewards))
