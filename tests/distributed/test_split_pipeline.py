@@ -59,6 +59,9 @@ REFERENCE = [("sync_ref", "sync_ref", ["run.steps=3"], None),
 CASES = [  # (name, folder, overrides, fault: (rank, step, what) in a rank's generation)
     ("split_eta0", "split_eta0", [*SPLIT, "run.steps=3"], None),
     ("split_tools", "split_tools", [*SPLIT, *TOOLS], None),
+    # the same episodes in flight: each turn answered as it finishes, versions applied between engine steps
+    ("inflight_tools", "inflight_tools", [*SPLIT, *TOOLS, "pipeline.apply=inflight", "pipeline.max_staleness=1",
+                                          "pipeline.env_wait=free"], None),
     ("dapo_eta1", "dapo_eta1", [*SPLIT, "algorithm=dapo", "run.steps=3", "pipeline.max_staleness=1",
                                 "pipeline.staging=host"], None),  # on the CPU the same memory: the code path
     ("eta2_straight", "eta2_straight", ETA2, None),
@@ -304,6 +307,14 @@ def test_multi_turn_episodes_at_eta_0_are_the_sync_runs_bit_for_bit(runs):
     assert _differences(_rows(runs, "sync_tools", 2), rows) == []
     assert runs["sync_tools"]["weights"] == runs["split_tools"]["weights"] is not None
     assert all(r["turns/mean"] == 2 for r in rows), rows
+
+
+def test_inflight_episodes_keep_the_bound_and_take_their_turns(runs):
+    """pipeline.env_wait=free: every episode still takes its two turns (a calculator round trip), and no trained
+    token is older than s - 1 - eta."""
+    rows = _rows(runs, "inflight_tools", 2)
+    assert all(r["turns/mean"] == 2 and r["grad_norm"] > 0 for r in rows), rows
+    assert all(0 <= r["staleness/max"] <= min(r["step"] - 1, 1) for r in rows), rows
 
 
 @pytest.mark.parametrize("name,eta,steps", [("dapo_eta1", 1, 3), ("eta2_straight", 2, 6)])

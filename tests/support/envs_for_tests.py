@@ -41,15 +41,17 @@ class OddToolEnv(ScriptedToolEnv):
 
 class EchoEnv:
     """A plain environment (no tools): echoes the length of each turn as a user message, forever.
-    `mode` misbehaves on turn 2 of items whose answer is in `on` ("hang", "kill", "raise", "bad")."""
+    `mode` misbehaves on turn 2 of items whose answer is in `on` ("hang", "kill", "raise", "bad"); every
+    step takes `delay` seconds at least (a slow tool)."""
 
-    def __init__(self, mode: str = "", on: tuple = (), prefix: str = ""):
-        self.mode, self.on, self.prefix = mode, {str(a) for a in on}, prefix
+    def __init__(self, mode: str = "", on: tuple = (), prefix: str = "", delay: float = 0.0):
+        self.mode, self.on, self.prefix, self.delay = mode, {str(a) for a in on}, prefix, delay
 
     def reset(self, item: dict, messages: list[dict]) -> list[dict]:
         return [*messages[:-1], {"role": messages[-1]["role"], "content": self.prefix + messages[-1]["content"]}]
 
     def step(self, item: dict, transcript: list[dict]):
+        time.sleep(self.delay)
         if len(transcript) >= 3 and str(item["answer"]) in self.on:
             if self.mode == "hang":
                 while True:
