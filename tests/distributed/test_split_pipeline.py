@@ -1,9 +1,10 @@
 """Role-split runs (pipeline.mode=split) end to end, in-process on 4 real gloo ranks (2 train, 2
 generate; tiny model, the HF engine unless a case names vLLM), against sync runs on 2 ranks:
 
-- eta = 0 is the sync run on the trainers' count of ranks bit for bit, on the HF engine and on vLLM
-  (every metric, held-out validation's on the trainers' own engines and a reward model's and a
-  judge's too, the final weights); DAPO's dynamic sampling runs on the rollout ranks at eta = 1;
+- eta = 0 is the sync run on the trainers' count of ranks bit for bit, on vLLM engines (every metric,
+  held-out validation's on the trainers' own engines and a reward model's and a judge's too, the
+  final weights), as carry-over at eta = 0 is, and with two-turn tool episodes on the HF engine;
+  DAPO's dynamic sampling runs on the rollout ranks at eta = 1;
 - the staged schedule: at eta = 1 and 2 every trained token is exactly eta versions older than the
   sync run's, and a run stopped by a signal to a rollout rank with groups generated for later steps,
   then resumed, equals one run straight through (so two runs of a config are identical); resumed on
@@ -13,7 +14,7 @@ generate; tiny model, the HF engine unless a case names vLLM), against sync runs
   inflight run; layouts a split cannot run stop every rank before any weights load;
 - pipeline.apply=inflight: every token within the bound under injected delays (with late=retarget),
   DAPO's dynamic sampling on the rollout ranks, a signal and a resume that neither loses nor repeats a
-  position (with kv_after_update=keep);
+  position (with kv_after_update=keep), tool episodes answered as their turns finish (env_wait=free);
 - the engine probe runs on the rollout ranks, and a broken resync stops every rank with its line.
 """
 
@@ -54,10 +55,8 @@ KEEP = ["pipeline.max_concurrency=12", "pipeline.kv_after_update=keep", "pipelin
 # 2-turn episodes, every one a calculator round trip (tests/support/envs_for_tests.py)
 TOOLS = ["task.env=envs_for_tests:ScriptedToolEnv", "+task.env_args={tools: [calculator]}", "rollout.max_turns=2",
          "rollout.max_total_tokens=64", "rollout.max_prompt_tokens=352", "run.steps=2"]
-REFERENCE = [("sync_ref", "sync_ref", ["run.steps=3"], None),
-             ("sync_tools", "sync_tools", TOOLS, None)]
+REFERENCE = [("sync_tools", "sync_tools", TOOLS, None)]
 CASES = [  # (name, folder, overrides, fault: (rank, step, what) in a rank's generation)
-    ("split_eta0", "split_eta0", [*SPLIT, "run.steps=3"], None),
     ("split_tools", "split_tools", [*SPLIT, *TOOLS], None),
     # the same episodes in flight: each turn answered as it finishes, versions applied between engine steps
     ("inflight_tools", "inflight_tools", [*SPLIT, *TOOLS, "pipeline.apply=inflight", "pipeline.max_staleness=1",
@@ -232,9 +231,13 @@ def killed(tmp_path_factory, tiny_model_dir):
 
 
 # vLLM engines (one run a launch: vLLM's external launcher takes the process group down with its engine):
-# eta 0 on 2 + 2 ranks against the sync run on 2, both validating and scoring with a reward model and a judge
-VLLM_REFERENCE = [("sync_vllm", "sync_vllm", ["rollout=vllm", "run.steps=3", *TRAINERS_WORK], None)]
-VLLM_SPLIT = [("split_vllm_eta0", "split_vllm_eta0", [*SPLIT, "rollout=vllm", "run.steps=3", *TRAINERS_WORK], None)]
+# eta 0 on 2 + 2 ranks, and carry-over at eta 0 on 2, against the sync run on 2, all validating and scoring
+# with a reward model and a judge
+VLLM_ETA0 = [(2, [("sync_vllm", "sync_vllm", ["rollout=vllm", "run.steps=3", *TRAINERS_WORK], None)]),
+             (4, [("split_vllm_eta0", "split_vllm_eta0", [*SPLIT, "rollout=vllm", "run.steps=3", *TRAINERS_WORK],
+                   None)]),
+             (2, [("carryover_vllm_eta0", "carryover_vllm_eta0", ["rollout=vllm", "run.steps=3", *TRAINERS_WORK,
+                                                                  "pipeline.mode=carryover"], None)])]
 # a LoRA policy whose adapters alone go to a vLLM rollout rank (1 trainer + 1 rollout rank, eta 1)
 LORA = [("lora_adapter", "lora_adapter", ["pipeline.mode=split", "pipeline.rollout_ranks=1", "rollout=vllm",
                                           "pipeline.max_staleness=1", "run.steps=3", "model.lora.enabled=true",
@@ -251,8 +254,8 @@ def runs(tmp_path_factory, tiny_model_dir):
     return {**run_distributed(_worker, 2, str(tmp), REFERENCE, timeout=600),
             **run_distributed(_worker, 4, str(tmp), CASES, timeout=900),
             **run_distributed(_worker, 3, str(tmp), resized, timeout=600),  # 1 trainer + the 2 rollout ranks
-            **run_distributed(_worker, 2, str(tmp), VLLM_REFERENCE, timeout=600),
-            **run_distributed(_worker, 4, str(tmp), VLLM_SPLIT, timeout=600),
+            **{k: v for world, case in VLLM_ETA0 for k, v in run_distributed(_worker, world, str(tmp), case,
+                                                                              timeout=600).items()},
             **run_distributed(_worker, 2, str(tmp), LORA, timeout=600)}
 
 
@@ -264,30 +267,37 @@ def _rows(runs, name, steps):
 
 
 def _differences(sync_rows, split_rows, keys=("staleness/mean", "staleness/max")) -> list[dict]:
-    """Per row, the metrics that differ but the wall-clock ones, `keys`, and the engine probe (not taken in a
-    split run): [] when the rows are equal."""
-    keys = {*keys, "sync/max_abs_logprob_diff"}
-    rows = [[{k: v for k, v in stable_metrics(r).items() if k not in keys} for r in rs] for rs in (sync_rows, split_rows)]
+    """Per row, the metrics that differ but the wall-clock ones, those `keys` start, and the engine probe (not
+    taken in a split run): [] when the rows are equal."""
+    skip = (*keys, "sync/max_abs_logprob_diff")
+    rows = [[{k: v for k, v in stable_metrics(r).items() if not k.startswith(skip)} for r in rs]
+            for rs in (sync_rows, split_rows)]
     if len(rows[0]) != len(rows[1]):
         return [{"rows": (len(rows[0]), len(rows[1]))}]
     return [d for x, y in zip(*rows) if (d := {k: (x.get(k), y.get(k)) for k in {*x, *y} if x.get(k) != y.get(k)})]
 
 
-@pytest.mark.parametrize("sync,split", [("sync_ref", "split_eta0"), ("sync_vllm", "split_vllm_eta0")])
-def test_eta_0_is_the_sync_run_on_the_trainers_count_bit_for_bit(runs, sync, split):
-    """Every metric, the weights: on the HF engine, and on vLLM with held-out validation (which the trainers
-    run on their own engines) and a reward model's and a judge's scores (taken on the trainers) too."""
-    rows = _rows(runs, split, 3)
-    assert _differences(_rows(runs, sync, 3), rows) == []
-    assert runs[sync]["weights"] == runs[split]["weights"] is not None
+def test_eta_0_is_the_sync_run_on_the_trainers_count_bit_for_bit(runs):
+    """On vLLM engines: every metric (held-out validation's, which the trainers run on their own engines, and
+    the reward model's and the judge's, which score on the trainers), the weights."""
+    rows = _rows(runs, "split_vllm_eta0", 3)
+    assert _differences(_rows(runs, "sync_vllm", 3), rows) == []
+    assert runs["sync_vllm"]["weights"] == runs["split_vllm_eta0"]["weights"] is not None
     assert all(r["staleness/max"] == 0 for r in rows)
+    assert [any(k.startswith("val/") for k in r) for r in rows] == [False, True, True]
+    assert all(any(k.startswith("reward_model/") for k in r) and any(k.startswith("judge/") for k in r) for r in rows)
     # the probe of version s (the rollout ranks' engines against the policy) comes back with step s + 1
     probes = [r["sync/max_abs_logprob_diff"] for r in rows]
     assert math.isnan(probes[0]) and all(0 <= d <= 1e-5 for d in probes[1:]), probes
-    if split == "split_vllm_eta0":
-        assert [any(k.startswith("val/") for k in r) for r in rows] == [False, True, True]
-        assert all(any(k.startswith("reward_model/") for k in r) and any(k.startswith("judge/") for k in r)
-                   for r in rows)
+
+
+def test_carryover_at_eta_0_is_the_sync_run_bit_for_bit_on_vllm(runs):
+    """pipeline.mode=carryover's step-wise engine calls, validation, reward model and judge included: the sync
+    run's (the HF engine's case, and carry-over's resumes, are distributed/test_trainer_loop.py's)."""
+    rows = _rows(runs, "carryover_vllm_eta0", 3)
+    assert _differences(_rows(runs, "sync_vllm", 3), rows, keys=("staleness/", "partial/")) == []
+    assert all(r["partial/carried_groups"] == 0 and r["staleness/max"] == 0 for r in rows)
+    assert runs["sync_vllm"]["weights"] == runs["carryover_vllm_eta0"]["weights"] is not None
 
 
 def test_lora_adapters_alone_reach_a_vllm_rollout_rank_and_it_serves_them(runs):

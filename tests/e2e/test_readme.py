@@ -54,9 +54,11 @@ TASK_ONLY = {
 # must compose and lay out on its ranks.
 PIPELINE_ELSEWHERE = {
     ".venv/bin/torchrun --standalone --nproc_per_node=2 recipes/grpo.py experiment=smoke pipeline=carryover":
-        "e2e/test_smoke.py: carry-over on vLLM under the docs' launcher",
+        "distributed/test_split_pipeline.py: carry-over on vLLM at eta 0; e2e/test_tensor_parallel_runs.py: at eta 1, "
+        "resumed, under torchrun",
     ".venv/bin/torchrun --standalone --nproc_per_node=2 recipes/grpo.py experiment=smoke pipeline=carryover  "
-    "pipeline.max_staleness=3": "e2e/test_smoke.py; eta 3 in bench/carryover.py (e2e/test_gpu_check.py's dry run)",
+    "pipeline.max_staleness=3": "e2e/test_tensor_parallel_runs.py; eta 3 in bench/carryover.py "
+                                "(e2e/test_gpu_check.py's dry run)",
     ".venv/bin/torchrun --standalone --nproc_per_node=2 recipes/grpo.py experiment=smoke pipeline=split":
         "e2e/test_split_runs.py: split on vLLM under the docs' launcher (2 + 2, a tensor-parallel rollout group, "
         "4 steps, validation); distributed/test_split_pipeline.py: the preset's eta 1 with DAPO",

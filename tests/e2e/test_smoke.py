@@ -2,8 +2,8 @@
 
 The docs' launch/local.sh line, run straight through with its output into a file, checks what a
 healthy run writes and what its console shows, and that the CLI export of its last checkpoint
-equals its end-of-run export; the same run with carry-over at eta = 0 is the sync run bit for bit
-(metrics and exported weights). Padded rows taking the packed rows' step is checked in-process
+equals its end-of-run export. Carry-over (and split) at eta = 0 equal to the sync run bit for bit on
+vLLM is checked in-process (distributed/test_split_pipeline.py). Padded rows taking the packed rows' step is checked in-process
 (distributed/test_trainer_loop.py, test_shared_prefix.py); the old trainer.* spellings under
 torchrun by e2e/test_failures.py. Resuming bit-exactly is checked by the other engine runs
 (e2e/test_tensor_parallel_runs.py, test_tools_runs.py with LoRA, test_preemption_runs.py),
@@ -45,25 +45,10 @@ def _run(command, tmp, *overrides, log_file=None):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("smoke")
-    # the straight run: the quiet launcher, its output into a file as `... > log 2>&1` (a batch
-    # log, nohup, CI) would have it
+    # the quiet launcher, its output into a file as `... > log 2>&1` (a batch log, nohup, CI) would have it
     procs = {"straight": _run(LOCAL_SH, tmp, f"run.output_dir={tmp / 'straight'}", "run.steps=4",
                               "checkpoint.export_at_end=true", log_file=tmp / "straight.log")}
-    # the same run with carry-over at eta = 0: the driver's engine calls are the sync loop's
-    procs["carryover"] = _run(LOCAL_SH, tmp, f"run.output_dir={tmp / 'carryover'}", "run.steps=4",
-                              "checkpoint.export_at_end=true", "pipeline.mode=carryover", log_file=tmp / "carryover.log")
     return tmp, procs
-
-
-def test_carryover_at_eta_0_is_the_sync_run_bit_for_bit_on_vllm(runs):
-    tmp, _ = runs
-    sync, carry = read_metrics(tmp / "straight"), read_metrics(tmp / "carryover")
-    extra = ("staleness/", "partial/", "timing/", "throughput/")
-    assert [{k: v for k, v in r.items() if not k.startswith(extra)} for r in sync] == \
-        [{k: v for k, v in r.items() if not k.startswith(extra)} for r in carry]
-    assert all(r["partial/carried_groups"] == 0 and r["staleness/max"] == 0 for r in carry)
-    weights = [load_file(tmp / name / "hf_model" / "model.safetensors") for name in ("straight", "carryover")]
-    assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
 def test_a_healthy_run_logs_every_step_and_writes_its_folder(runs):
