@@ -43,3 +43,19 @@ def run_steps(engine, driver, steps: int, resync, first_step: int = 1) -> list[t
 
 def key(samples) -> list[tuple]:
     return [(s.prompt_ids, s.response_ids, s.logprobs, s.truncated, s.versions) for s in samples]
+
+
+def moved_weights(engine, seed: int) -> tuple[dict, dict]:
+    """The engine's weights now, and a copy moved by 0.05 x N(0, 1) noise (another version's)."""
+    import torch
+
+    original = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    gen = torch.Generator().manual_seed(seed)
+    return original, {n: p + 0.05 * torch.randn(p.shape, generator=gen) for n, p in original.items()}
+
+
+def model_logprobs(engine, weights: dict, sample) -> list[float]:
+    """`sample`'s response logprobs under `weights`, one fresh forward (the engine keeps its version number)."""
+    engine.load_weights(iter(weights.items()), engine.version)
+    return engine.prompt_logprobs([sample.prompt_ids + sample.response_ids])[0][len(sample.prompt_ids) - 1:]
+

@@ -15,7 +15,8 @@ import json
 import pytest
 import torch
 
-from carry_helpers import G, LENGTHS, PER_STEP, admitted, carry_config, item, key, run_steps
+from carry_helpers import (G, LENGTHS, PER_STEP, admitted, carry_config, item, key, model_logprobs, moved_weights,
+                           run_steps)
 from distflow.rollout import schedule
 from distflow.rollout.carry import CarriedGroup, CarryBuffer
 from distflow.rollout.driver import CarryoverDriver
@@ -134,16 +135,10 @@ def test_the_bound_holds_and_every_position_trains_once(engine, eta, concurrency
 def test_a_cut_sample_continues_with_the_models_logprobs_under_the_new_version(engine):
     """Step 1's resync moves the weights (version 1): a sample cut at step 1 and finished at step 2
     has version 0's logprobs up to the cut and version 1's after it, each the model's own (fp32)."""
-    original = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
-    gen = torch.Generator().manual_seed(3)
-    moved = {n: p + 0.05 * torch.randn(p.shape, generator=gen) for n, p in original.items()}
+    original, moved = moved_weights(engine, 3)
 
     def resync(engine, version):
         engine.load_weights(iter((moved if version % 2 else original).items()), version)
-
-    def model_logprobs(weights, s):
-        engine.load_weights(iter(weights.items()), engine.version)
-        return engine.prompt_logprobs([s.prompt_ids + s.response_ids])[0][len(s.prompt_ids) - 1:]
 
     engine.version = 0
     try:
@@ -153,9 +148,9 @@ def test_a_cut_sample_continues_with_the_models_logprobs_under_the_new_version(e
         for s in long:
             cut = s.versions.index(1)
             assert 0 < cut < len(s.versions) and set(s.versions[cut:]) == {1}, s.versions
-            before, after = model_logprobs(original, s)[:cut], model_logprobs(moved, s)[cut:]
+            before, after = model_logprobs(engine, original, s)[:cut], model_logprobs(engine, moved, s)[cut:]
             torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(before + after), atol=1e-5, rtol=0)
-            assert max(abs(a - b) for a, b in zip(s.logprobs[cut:], model_logprobs(original, s)[cut:])) > 1e-3
+            assert max(abs(a - b) for a, b in zip(s.logprobs[cut:], model_logprobs(engine, original, s)[cut:])) > 1e-3
     finally:
         engine.load_weights(iter(original.items()), 0)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from carry_helpers import carry_config, item, key
+from carry_helpers import carry_config, item, key, model_logprobs, moved_weights
 from distflow.pipeline.inflight import InflightGroups
 from distflow.rollout.hf_engine import HFEngine
 from distflow.seeds import sample_seed
@@ -52,14 +52,7 @@ def test_without_a_version_applied_the_groups_are_what_generate_samples(engine):
 
 
 def test_a_version_applied_while_samples_run_continues_them_under_it(engine):
-    original = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
-    gen = torch.Generator().manual_seed(3)
-    moved = {n: p + 0.05 * torch.randn(p.shape, generator=gen) for n, p in original.items()}
-
-    def model_logprobs(weights, s):
-        engine.load_weights(iter(weights.items()), engine.version)
-        return engine.prompt_logprobs([s.prompt_ids + s.response_ids])[0][len(s.prompt_ids) - 1:]
-
+    original, moved = moved_weights(engine, 3)
     engine.version = 0
     try:
         live = InflightGroups(engine, SEED, G, BUDGET)
@@ -76,7 +69,7 @@ def test_a_version_applied_while_samples_run_continues_them_under_it(engine):
         for s in samples:
             cut = s.versions.index(1)
             assert cut == 3 and set(s.versions[:cut]) == {0} and set(s.versions[cut:]) == {1}, s.versions
-            before, after = model_logprobs(original, s)[:cut], model_logprobs(moved, s)[cut:]
+            before, after = model_logprobs(engine, original, s)[:cut], model_logprobs(engine, moved, s)[cut:]
             torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(before + after), atol=1e-5, rtol=0)
         assert {v for s in live.take(2)[1] for v in s.versions} == {1}
         live.drop()
@@ -128,9 +121,7 @@ def test_a_version_kept_under_running_samples_tags_their_later_tokens_and_prefil
     """pipeline.kv_after_update=keep: the version is loaded under the running samples. Their tokens from
     then on carry it, nothing is prefilled again, and each later logprob is the new model's on top of the
     keys and values the old one computed (PipelineRL's in-flight update), not a fresh forward of either."""
-    original = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
-    gen = torch.Generator().manual_seed(4)
-    moved = {n: p + 0.05 * torch.randn(p.shape, generator=gen) for n, p in original.items()}
+    original, moved = moved_weights(engine, 4)
     engine.version = 0
     try:
         live = InflightGroups(engine, SEED, G, BUDGET)

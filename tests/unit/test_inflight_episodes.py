@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from carry_helpers import model_logprobs, moved_weights
 from config_helpers import fp32_config
 from launch_helpers import ROOT
 from distflow.config import RolloutConfig, TaskConfig
@@ -92,14 +93,7 @@ def test_free_steps_the_engine_while_the_environment_answers_and_wave_does_not(s
 
 def test_a_version_applied_mid_episode_continues_the_running_turns_under_it(setup):
     tok, engine, items = setup
-    original = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
-    gen = torch.Generator().manual_seed(3)
-    moved = {n: p + 0.05 * torch.randn(p.shape, generator=gen) for n, p in original.items()}
-
-    def model_logprobs(weights, s):
-        engine.load_weights(iter(weights.items()), engine.version)
-        return engine.prompt_logprobs([s.prompt_ids + s.response_ids])[0][len(s.prompt_ids) - 1:]
-
+    original, moved = moved_weights(engine, 3)
     engine.version = 0
     try:
         with RewardPool.from_task(TASK) as pool:
@@ -120,7 +114,7 @@ def test_a_version_applied_mid_episode_continues_the_running_turns_under_it(setu
             for i, m in enumerate(s.mask):
                 if not m:  # an observation: logprob 0, its turn's version
                     assert s.logprobs[i] == 0.0 and s.versions[i] == s.versions[i - 1], s
-            old, new = model_logprobs(original, s), model_logprobs(moved, s)
+            old, new = model_logprobs(engine, original, s), model_logprobs(engine, moved, s)
             want = [(old if v == 0 else new)[i] if m else 0.0 for i, (v, m) in enumerate(zip(s.versions, s.mask))]
             torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(want), atol=1e-5, rtol=0)
     finally:
