@@ -244,10 +244,11 @@ VLLM_ETA0 = [(2, [("sync_vllm", "sync_vllm", ["rollout=vllm", "run.steps=3", *TR
              (4, [("split_tensor_parallel", "split_tensor_parallel",
                    [*SPLIT, "rollout=vllm", "rollout.tensor_parallel_size=2", "pipeline.max_staleness=1",
                     "algorithm=dapo", "run.steps=4", "validation.at_end=true"], None)])]
-# a LoRA policy whose adapters alone go to a vLLM rollout rank (1 trainer + 1 rollout rank, eta 1)
-LORA = [("lora_adapter", "lora_adapter", ["pipeline.mode=split", "pipeline.rollout_ranks=1", "rollout=vllm",
+# a LoRA policy whose adapters alone go to vLLM rollout ranks (1 trainer + 2 rollout ranks, eta 1, DAPO)
+LORA = [("lora_adapter", "lora_adapter", ["pipeline.mode=split", "pipeline.rollout_ranks=2", "rollout=vllm",
                                           "pipeline.max_staleness=1", "run.steps=3", "model.lora.enabled=true",
-                                          "model.lora.rank=8", "model.lora.resync=adapter", "optim.lr=1e-2"], None)]
+                                          "model.lora.rank=8", "model.lora.resync=adapter", "optim.lr=1e-2",
+                                          "algorithm=dapo"], None)]
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +263,7 @@ def runs(tmp_path_factory, tiny_model_dir):
             **run_distributed(_worker, 3, str(tmp), resized, timeout=600),  # 1 trainer + the 2 rollout ranks
             **{k: v for world, case in VLLM_ETA0 for k, v in run_distributed(_worker, world, str(tmp), case,
                                                                               timeout=600).items()},
-            **run_distributed(_worker, 2, str(tmp), LORA, timeout=600)}
+            **run_distributed(_worker, 3, str(tmp), LORA, timeout=600)}  # 1 trainer + 2 rollout ranks
 
 
 def _rows(runs, name, steps):
@@ -321,14 +322,16 @@ def test_carryover_at_eta_0_is_the_sync_run_bit_for_bit_on_vllm(runs):
 
 
 def test_lora_adapters_alone_reach_a_vllm_rollout_rank_and_it_serves_them(runs):
-    """model.lora.resync=adapter: each version's adapters (and their PEFT config, in the announce) are
-    all the rollout rank receives; its vLLM engine, serving them on the base it loaded, matches the
-    policy (the probe, fp32), and every trained token is exactly one version old."""
+    """model.lora.resync=adapter on 1 trainer + 2 rollout ranks (staged, eta 1, DAPO): each version's adapters
+    (and their PEFT config, in the announce) are all the rollout ranks receive; their vLLM engines, serving them
+    on the base they loaded, match the policy (the probe, fp32), every trained token is exactly one version
+    old, and DAPO's filter ran on the rollout ranks."""
     rows = _rows(runs, "lora_adapter", 3)
     probes = [r["sync/max_abs_logprob_diff"] for r in rows]
     assert math.isnan(probes[0]) and all(0 <= d <= 1e-5 for d in probes[2:]), probes
     assert [r["staleness/mean"] for r in rows] == [r["staleness/max"] for r in rows] == [0, 1, 1], rows
-    assert all(r["grad_norm"] > 0 for r in rows), rows
+    assert all(r["grad_norm"] > 0 and r["dynamic_sampling/generated_groups"] >= r["dynamic_sampling/kept_groups"] > 0
+               for r in rows), rows
 
 
 def test_multi_turn_episodes_at_eta_0_are_the_sync_runs_bit_for_bit(runs):
