@@ -8,7 +8,8 @@ generate; tiny model, the HF engine unless a case names vLLM), against sync runs
 - the staged schedule: at eta = 1 and 2 every trained token is exactly eta versions older than the
   sync run's, and a run stopped by a signal to a rollout rank with groups generated for later steps,
   then resumed, equals one run straight through (so two runs of a config are identical); resumed on
-  1 + 2 ranks, the one trainer trains both trainers' groups in flight;
+  1 + 2 ranks, the one trainer trains both trainers' groups in flight; the same on vLLM with LoRA adapters
+  on 1 + 2 ranks (eta 1, DAPO, a signal, a resume);
 - a rollout rank that raises stops every rank with its line, and one killed (SIGKILL) mid-run stops
   every survivor within run.collective_timeout_s with a line naming it, as does a killed trainer of an
   inflight run; layouts a split cannot run stop every rank before any weights load;
@@ -244,11 +245,14 @@ VLLM_ETA0 = [(2, [("sync_vllm", "sync_vllm", ["rollout=vllm", "run.steps=3", *TR
              (4, [("split_tensor_parallel", "split_tensor_parallel",
                    [*SPLIT, "rollout=vllm", "rollout.tensor_parallel_size=2", "pipeline.max_staleness=1",
                     "algorithm=dapo", "run.steps=4", "validation.at_end=true"], None)])]
-# a LoRA policy whose adapters alone go to vLLM rollout ranks (1 trainer + 2 rollout ranks, eta 1, DAPO)
-LORA = [("lora_adapter", "lora_adapter", ["pipeline.mode=split", "pipeline.rollout_ranks=2", "rollout=vllm",
-                                          "pipeline.max_staleness=1", "run.steps=3", "model.lora.enabled=true",
-                                          "model.lora.rank=8", "model.lora.resync=adapter", "optim.lr=1e-2",
-                                          "algorithm=dapo"], None)]
+# a LoRA policy whose adapters alone go to vLLM rollout ranks (1 trainer + 2 rollout ranks, eta 1, DAPO),
+# straight through, and stopped by a signal to rollout rank 2 once it has generated step 2's groups, then resumed
+LORA_RUN = ["pipeline.mode=split", "pipeline.rollout_ranks=2", "rollout=vllm", "pipeline.max_staleness=1",
+            "run.steps=3", "model.lora.enabled=true", "model.lora.rank=8", "model.lora.resync=adapter",
+            "optim.lr=1e-2", "algorithm=dapo"]
+LORA = [("lora_adapter", "lora_adapter", LORA_RUN, None),
+        ("lora_first_half", "lora_cut", LORA_RUN, (2, 2, "signal")),
+        ("lora_continued", "lora_cut", [*LORA_RUN, "checkpoint.resume=force"], None)]
 
 
 @pytest.fixture(scope="module")
@@ -263,7 +267,7 @@ def runs(tmp_path_factory, tiny_model_dir):
             **run_distributed(_worker, 3, str(tmp), resized, timeout=600),  # 1 trainer + the 2 rollout ranks
             **{k: v for world, case in VLLM_ETA0 for k, v in run_distributed(_worker, world, str(tmp), case,
                                                                               timeout=600).items()},
-            **run_distributed(_worker, 3, str(tmp), LORA, timeout=600)}  # 1 trainer + 2 rollout ranks
+            **{k: v for case in LORA for k, v in run_distributed(_worker, 3, str(tmp), [case], timeout=600).items()}}
 
 
 def _rows(runs, name, steps):
@@ -332,6 +336,22 @@ def test_lora_adapters_alone_reach_a_vllm_rollout_rank_and_it_serves_them(runs):
     assert [r["staleness/mean"] for r in rows] == [r["staleness/max"] for r in rows] == [0, 1, 1], rows
     assert all(r["grad_norm"] > 0 and r["dynamic_sampling/generated_groups"] >= r["dynamic_sampling/kept_groups"] > 0
                for r in rows), rows
+
+
+def test_a_three_rank_vllm_run_stopped_by_a_signal_resumes_bit_for_bit(runs):
+    """The LoRA run on 1 trainer + 2 vLLM rollout ranks (staged, eta 1, DAPO): SIGTERM to rollout rank 2 once
+    it has generated step 2's groups stops every rank after step 2, with step 3's groups (generated under
+    version 1) in the checkpoint as data; the resumed run trains them and equals the straight run: every
+    metric, DAPO's rounds included, and the exported weights."""
+    first = runs["lora_first_half"]
+    assert [r["outcome"] for r in first["ranks"]] == ["stopped"] * 3
+    assert [r["step"] for r in first["rows"]] == [1, 2]
+    versions = {v for m in first["saved"]["step_000002"]["inbox"]["3"] if m["kind"] == "groups"
+                for _, group, _ in m["groups"] for sample in group for v in sample["versions"]}
+    assert versions == {1}, versions
+    straight = _rows(runs, "lora_adapter", 3)
+    assert _differences(straight, _rows(runs, "lora_continued", 3), keys=set()) == []
+    assert runs["lora_adapter"]["weights"] == runs["lora_continued"]["weights"] is not None
 
 
 def test_multi_turn_episodes_at_eta_0_are_the_sync_runs_bit_for_bit(runs):
