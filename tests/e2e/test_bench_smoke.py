@@ -288,3 +288,15 @@ def test_agent_smoke(tmp_path):
     # shared prompt once per request packed, once per row padded
     assert rec["padded_over_packed_forward_tokens"] > 1 and _positive(rec["free_over_wave_episodes_per_s"])
     assert rec["n4_padded_over_packed_forward_tokens"] > rec["padded_over_packed_forward_tokens"]
+
+
+def test_env_wait_smoke(tmp_path):
+    out = run_bench("env_wait", tmp_path)
+    assert out["world"] == 2 and set(out["variants"]) == {"wave", "free"}
+    for name, v in out["variants"].items():
+        for key in ("step_s_mean", "tokens_per_s", "samples_per_s"):
+            assert _positive(v[key]), (name, key)
+        assert v["steps"] == 1 and v["turns_mean_mean"] == out["turns"] == 3, (name, v)  # every episode answered twice
+        assert f"pipeline.env_wait={name}" in v["commands"][0] and "pipeline.apply=inflight" in v["commands"][0]
+        assert 0 <= v["rollout_idle_ratio_mean"] <= 1 and 0 <= v["recv_wait_s_mean"] <= v["step_s_mean"], (name, v)
+    assert _positive(out["free_over_wave_samples_per_s"])
