@@ -26,13 +26,16 @@ order while the deadline (`--deadline`, default 420 s, all runs together) leaves
   carryover_qwen05_bf16 bench/carryover.py with the HF engine at Qwen2.5-0.5B's shape in bf16: sync
                         against carry-over eta 1 and 3 on a seeded long tail (goals: eta 3's
                         generate <= 0.70x and step <= 0.80x sync; reported, not checked)
+  publish_qwen05_bf16   bench/publish_rate.py on the same weights in bf16: a split run's publish packing
+                        and pipeline.staging=host's copies (to pinned host memory and back), s/GiB;
+                        the broadcast itself needs a second GPU
   lora_bf16             the smoke experiment with LoRA adapters on a bf16 frozen base
   qwen05_shape_bf16     Qwen2.5-0.5B's shape (Qwen2, 896 hidden, 24 layers, 14/2 heads, 151936
                         vocab) in bf16, the same figures
 MFU = 6 x parameters (a tied head once) x trained tokens / update time / the H200's bf16 dense
 peak (989 TFLOP/s, NVIDIA's H200 SXM figure; `--peak-tflops` for another GPU). `--dry-run` runs
-only the first shaped run, on the CPU with a small Llama config, one step. Exit status 0 when
-every check passes, 1 when one fails, 2 when the set-up stops.
+the first shaped run (one step), the carry-over bench and the publish figures on the CPU with a small
+Llama config. Exit status 0 when every check passes, 1 when one fails, 2 when the set-up stops.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import gpu_check_benches
 
 ROOT = Path(__file__).resolve().parents[1]
 PEAK_TFLOPS = 989.0
@@ -220,7 +225,8 @@ def plan(dry_run: bool, steps: int | None) -> list[dict]:
             *shaped, "model.dtype=bfloat16", f"run.steps={steps or 1}", "data.prompts_per_rank=2",
             "rollout.max_new_tokens=16", "optim.micro_batch_size=8"]},
                 {"name": "carryover_dry_run_bf16", "shape": "dry_run", "bench": [
-                    "--steps", "2", "--repeats", "1", "--max-new-tokens", "32", "--prompts-per-rank", "2"]}]
+                    "--steps", "2", "--repeats", "1", "--max-new-tokens", "32", "--prompts-per-rank", "2"]},
+                {"name": "publish_dry_run_bf16", "shape": "dry_run", "publish": True}]
     big = ["data.prompts_per_rank=16", "rollout.max_new_tokens=128", "optim.micro_batch_size=16"]  # 64 sequences
     return [
         {"name": "smoke_float32", "shape": None, "sequences": 8,
@@ -229,6 +235,7 @@ def plan(dry_run: bool, steps: int | None) -> list[dict]:
          "overrides": [*shaped, *big, "model.dtype=bfloat16", f"run.steps={steps or 6}"]},
         {"name": "carryover_qwen05_bf16", "shape": "qwen2_5_0_5b", "bench": [
             "--steps", str(steps or 3), "--repeats", "2", "--max-new-tokens", "256", "--prompts-per-rank", "16"]},
+        {"name": "publish_qwen05_bf16", "shape": "qwen2_5_0_5b", "publish": True},
         {"name": "lora_bf16", "shape": None, "sequences": 8,
          "overrides": [*smoke, "model.dtype=bfloat16", f"run.steps={steps or 3}", "model.lora.enabled=true",
                        "algorithm.kl_coef=0.05", "optim.lr=1e-3"]},
@@ -290,6 +297,7 @@ def main() -> int:
     tokenizer_dir = build_tiny_model(str(out / "cache"))  # offline; also the smoke runs' model
     device = ["run.device=cpu", "run.backend=gloo"] if a.dry_run else ["run.device=cuda", "run.backend=nccl"]
     runs: dict[str, dict] = {}
+    written: dict[str, int] = {}  # model shapes written: their parameter counts
     for spec in plan(a.dry_run, a.steps):
         name, left = spec["name"], t_end - time.monotonic()
         if left < MIN_RUN_S:
@@ -299,11 +307,15 @@ def main() -> int:
         overrides, params = list(spec.get("overrides", [])), None
         if spec["shape"]:
             model_dir = out / "models" / spec["shape"]
-            params = write_model(spec["shape"], model_dir, tokenizer_dir)
+            if spec["shape"] not in written:
+                written[spec["shape"]] = write_model(spec["shape"], model_dir, tokenizer_dir)
+            params = written[spec["shape"]]
             overrides.append(f"model.path={model_dir}")
-        if "bench" in spec:  # a bench script of its own, on the same device
-            runs[name] = carryover_bench(name, spec["bench"], [*overrides, *device, "model.dtype=bfloat16"], out, env,
-                                         t_end - time.monotonic())
+        if "bench" in spec or "publish" in spec:  # a bench script of its own, on the same device
+            runs[name] = gpu_check_benches.carryover(
+                name, spec["bench"], [*overrides, *device, "model.dtype=bfloat16"], out, env, t_end - time.monotonic()
+            ) if "bench" in spec else gpu_check_benches.publish(name, model_dir, "cpu" if a.dry_run else "cuda", out,
+                                                                env, t_end - time.monotonic())
             print(f"[gpu_check] {name}: rc={runs[name]['rc']}, {runs[name]['wall_s']:.0f} s", flush=True)
             continue
         rc, text, wall = launch(name, [*overrides, *device], out, env, t_end - time.monotonic())
@@ -339,30 +351,6 @@ def main() -> int:
     return 0 if result["ok"] else 1
 
 
-def carryover_bench(name: str, args: list[str], overrides: list[str], out: Path, env: dict, timeout: float) -> dict:
-    """bench/carryover.py with the HF engine and these recipe overrides; its summary per mode and
-    eta 3's ratios against the goals (generate <= 0.70x, step <= 0.80x sync)."""
-    folder = out / name
-    cmd = [sys.executable, str(ROOT / "bench" / "carryover.py"), "--engine", "hf", *args, "--results-dir", str(folder),
-           "--work-dir", str(folder / "work"), *[x for o in overrides for x in ("--set", o)]]
-    t0 = time.monotonic()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(timeout, 1))
-        rc, text = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, text = 124, f"{e.stdout or ''}{e.stderr or ''}"
-    res = {"rc": rc, "wall_s": round(time.monotonic() - t0, 1), "bench": "carryover", "overrides": overrides}
-    result = folder / "carryover.json"
-    if rc == 0 and result.exists():
-        summary = json.loads(result.read_text())["summary"]
-        eta3 = next(s for s in summary if s["eta"] == 3)
-        res.update(summary=summary, eta3_generate_ratio=eta3["generate_ratio"], eta3_step_ratio=eta3["step_ratio"],
-                   goals_met=eta3["generate_ratio"] <= 0.70 and eta3["step_ratio"] <= 0.80)
-    else:
-        res["output_tail"] = text[-4000:]
-    return res
-
-
 def table(runs: dict[str, dict]) -> str:
     def f(v, spec=".3g"):
         return "-" if v is None else format(v, spec)
@@ -374,8 +362,7 @@ def table(runs: dict[str, dict]) -> str:
             lines.append(f"{name:>20} skipped: {r['skipped']}")
             continue
         if "bench" in r:
-            ratios = f"eta 3: generate {f(r.get('eta3_generate_ratio'))}x, step {f(r.get('eta3_step_ratio'))}x sync"
-            lines.append(f"{name:>20} {r['rc']:>4} {ratios}")
+            lines.append(f"{name:>20} {r['rc']:>4} {gpu_check_benches.row(r, f)}")
             continue
         mm = r.get("mismatch", {})
         lines.append(f"{name:>20} {r['rc']:>4} {f(r.get('update_tokens_per_s'), '.0f'):>12} "

@@ -119,7 +119,14 @@ def test_dry_run_on_the_image_packages_plus_the_carried_ones_writes_every_figure
     assert result["carried_wheels"] == ["gpu_check_marker-0.0.1-py3-none-any.whl"]
     assert result["machine"]["python_executable"] == str(python)
     assert result["peak_bf16_tflops"] == 989.0 and "H200" in result["peak_source"]
-    assert list(result["runs"]) == ["dry_run_shape_bf16", "carryover_dry_run_bf16"]
+    assert list(result["runs"]) == ["dry_run_shape_bf16", "carryover_dry_run_bf16", "publish_dry_run_bf16"]
+    publish = result["runs"]["publish_dry_run_bf16"]  # bench/publish_rate.py on the same packages and weights
+    assert publish["rc"] == 0, publish.get("output_tail")
+    figures = publish["publish"]
+    assert figures["device"] == "cpu" and figures["dtype"] == "bfloat16" and figures["pinned"] is False
+    assert figures["bytes"] > 0 and figures["buckets"] >= 1 and figures["tensors"] > 0
+    for part in ("pack", "stage_to_host", "host_to_device"):
+        assert figures[f"{part}_s"] > 0 and figures[f"{part}_s_per_gib"] > 0, (part, figures)
     carry = result["runs"]["carryover_dry_run_bf16"]  # bench/carryover.py on the same packages
     assert carry["rc"] == 0 and [s["eta"] for s in carry["summary"]] == [0, 1, 3], carry.get("output_tail")
     assert carry["eta3_generate_ratio"] > 0 and isinstance(carry["goals_met"], bool)
