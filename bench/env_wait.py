@@ -72,7 +72,7 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=3, help="model turns per episode")
     p.add_argument("--env-ms", type=float, default=50.0, help="the environment's latency per turn")
     p.add_argument("--env-workers", type=int, default=None,
-                   help="task.reward_workers: turns answered at once per rank (default 8; --smoke 2)")
+                   help="task.reward_workers: turns answered at once per rank (default 8; --smoke 1)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a recipe override after the bench's")
     args = p.parse_args()
@@ -80,7 +80,7 @@ def main() -> None:
     args.steps = args.steps or (1 if args.smoke else 7)
     args.warmup = args.warmup if args.warmup is not None else (0 if args.smoke else 1)
     args.repeats = args.repeats or (1 if args.smoke else 2)
-    args.env_workers = args.env_workers or (2 if args.smoke else 8)
+    args.env_workers = args.env_workers or (1 if args.smoke else 8)
     wd = C.work_dir(args, "env_wait")
     order = [(v, r) for r in range(args.repeats) for v in (VARIANTS if r % 2 == 0 else VARIANTS[::-1])]
     trainers = args.nproc // 2
