@@ -48,6 +48,7 @@ class RemoteRollout:
         self.resumed = False  # the first version after a resume carries the cursors back
         self.step = 0
         self.signalled = False  # a rollout rank got SIGTERM/SIGUSR1: the run saves and stops at this step's end
+        self.aborted = False  # this trainer forwarded an error: its rollout set stops, taking nothing more
         self.probe_out: dict | None = None  # a probed version's sequences and policy logprobs, for the next control
         self.probe_in: float | None = None  # the largest engine/policy gap this trainer's rollout set sent back
         local.sleep()  # the rollout ranks generate: this engine only keeps vLLM's start-up symmetric
@@ -129,12 +130,14 @@ class RemoteRollout:
     def abort(self, line: str) -> None:
         """Forward this trainer's error to its rollout set, so they stop with its line."""
         self.links.abort(self.rollout_set, line)
+        self.aborted = True
 
     def sleep(self) -> None:
         """Nothing: the engine that generates is on the rollout ranks."""
 
     def close(self) -> None:
-        self.links.flush()
+        if not self.aborted:  # the abort line had its flush; what else is under way may have no taker
+            self.links.flush()
         self.local.close()
 
     # ----------------------------------------------------------------- checkpoint state

@@ -62,6 +62,7 @@ class RolloutRank:
         self.probe_wanted: dict | None = None  # a probed version's sequences and policy logprobs
         self.probe_gap: float | None = None  # the largest gap measured since the last send
         self.stopped: Stopped | None = None
+        self.ran_through = False  # every target generated and the trainers' last control taken
         self.retry: list[int] = []  # after a resume: positions to draw again first (distflow.pipeline.inflight)
         self.sent_at = time.perf_counter()  # the end of the last send: each target's share of wall time starts there
 
@@ -74,6 +75,7 @@ class RolloutRank:
                                        p.versions_ahead, host=p.staging == "host")
         try:
             self.generate()
+            self.ran_through = self.stopped is None
         except RunAborted:
             raise
         except Exception as e:
@@ -195,8 +197,8 @@ class RolloutRank:
         self.stop_signal.uninstall()
         if hasattr(self, "versions"):
             self.versions.close()
-        if hasattr(self, "links"):
-            self.links.flush()
+        if hasattr(self, "links") and self.ran_through:  # else the trainers stopped (a signal, an error) and will
+            self.links.flush()  # take no more groups: what this rank sent ahead is left behind, not waited for
         if hasattr(self, "rollout"):
             self.rollout.close()
         if hasattr(self, "task"):
