@@ -47,11 +47,13 @@ def carryover(name: str, args: list[str], overrides: list[str], out: Path, env: 
 
 def publish(name: str, model_dir: Path, device: str, out: Path, env: dict, timeout: float) -> dict:
     """bench/publish_rate.py on the model's weights in bf16: a split run's publish packing and host
-    staging, seconds per GiB."""
+    staging, seconds per GiB; on the CPU (the dry run) also the whole publish to a second rank over gloo,
+    which one GPU cannot run."""
     folder = out / name
     folder.mkdir(parents=True, exist_ok=True)
     res = _script("publish_rate", ["--model", str(model_dir), "--dtype", "bfloat16", "--device", device,
-                                   "--out", str(folder / "publish.json")], folder / "publish.json", [], env, timeout)
+                                   "--ranks", "2" if device == "cpu" else "1", "--out", str(folder / "publish.json")],
+                  folder / "publish.json", [], env, timeout)
     if "result" in res:
         res["publish"] = res.pop("result")
     return res
@@ -63,4 +65,5 @@ def row(r: dict, f) -> str:
         return f"eta 3: generate {f(r.get('eta3_generate_ratio'))}x, step {f(r.get('eta3_step_ratio'))}x sync"
     p = r.get("publish", {})
     return (f"s/GiB: pack {f(p.get('pack_s_per_gib'))}, stage to host {f(p.get('stage_to_host_s_per_gib'))}, "
-            f"back to device {f(p.get('host_to_device_s_per_gib'))} ({f(p.get('bytes', 0) / 2**30)} GiB)")
+            f"back to device {f(p.get('host_to_device_s_per_gib'))}, publish {f(p.get('publish_s_per_gib'))} "
+            f"({f(p.get('bytes', 0) / 2**30)} GiB)")

@@ -1,28 +1,36 @@
-"""A version's weights through a split run's publish and host-staging paths, on one device: seconds per
-GiB of the parts one device can time.
+"""A version's weights through a split run's publish and host-staging paths: seconds per GiB of the parts
+one device can time, and with --ranks the whole publish to the other ranks.
 
     python bench/publish_rate.py --model DIR [--dtype bfloat16] [--device cuda] [--repeats 5] [--out FILE]
+    python bench/publish_rate.py --model DIR --ranks 3 --device cpu      # 1 trainer -> 2 rollout ranks, gloo
 
 - `pack`: the trainer's side of `WeightPublisher.publish` before the wire, each broadcast bucket
   (pipeline's BROADCAST_BUCKET_BYTES, one dtype) flattened into one tensor on the device;
 - `stage_to_host`: a rollout rank's `pipeline.staging=host`, each received tensor into pinned host memory
-  (`distflow.pipeline.weights._to_host`; on the CPU, where that is the tensor itself, a copy stands in);
-- `host_to_device`: the staged version back onto the device where the engine loads it.
+  (`distflow.pipeline.weights._to_host`);
+- `host_to_device`: the staged version back onto the device where the engine loads it (on the CPU, where
+  both moves are the tensor itself, a copy stands in for each);
+- `publish` (--ranks R >= 2): rank 0's `WeightPublisher.publish` of one version to ranks 1..R-1, each
+  with a `WeightReceiver` taking its tensors, bucket by bucket, over gloo on the CPU or NCCL with one
+  GPU per rank (NCCL takes no two ranks on one GPU, so one-GPU machines leave it out).
 
-The broadcast itself needs a second device (NCCL takes no two ranks on one GPU), so one-GPU machines
-leave it out; on a node, bench/pipeline.py's `publish_s` is the whole publish. Each figure is the median
-of --repeats after one warm-up; the model's own tensors are used (safetensors files of DIR, in --dtype).
+Each figure is the median of --repeats after one warm-up; the model's own tensors are used (safetensors
+files of DIR, in --dtype).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
 from distflow.config.pipeline import BROADCAST_BUCKET_BYTES
@@ -50,7 +58,9 @@ def measure(weights: dict[str, torch.Tensor], device: torch.device, repeats: int
     """Seconds and seconds per GiB of packing, staging to host and loading back, for these tensors."""
     items = list(weights.items())
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-    stage = _to_host if device.type == "cuda" else (lambda t: t.clone())
+    cuda = device.type == "cuda"  # on the CPU, where both moves are the tensor itself, a copy stands in
+    stage = _to_host if cuda else (lambda t: t.clone())
+    back = (lambda t: t.to(device, non_blocking=True)) if cuda else (lambda t: t.clone())
     staged = [stage(t) for _, t in items]
     def pack():
         return [torch.cat([t.reshape(-1) for _, t in b]) for b in _buckets(items, BROADCAST_BUCKET_BYTES)]
@@ -58,7 +68,7 @@ def measure(weights: dict[str, torch.Tensor], device: torch.device, repeats: int
     seconds = {
         "pack": _timed(pack, device, repeats),
         "stage_to_host": _timed(lambda: [stage(t) for _, t in items], device, repeats),
-        "host_to_device": _timed(lambda: [t.to(device, non_blocking=True) for t in staged], device, repeats),
+        "host_to_device": _timed(lambda: [back(t) for t in staged], device, repeats),
     }
     gib = nbytes / 2**30
     return {"bytes": nbytes, "tensors": len(items), "buckets": sum(1 for _ in _buckets(items, BROADCAST_BUCKET_BYTES)),
@@ -67,20 +77,72 @@ def measure(weights: dict[str, torch.Tensor], device: torch.device, repeats: int
             **{f"{k}_gib_per_s": gib / v for k, v in seconds.items() if v > 0}}
 
 
+def load(model: str, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    weights = {}
+    for f in sorted(Path(model).glob("*.safetensors")):
+        weights.update({k: v.to(device=device, dtype=dtype) for k, v in load_file(f).items()})
+    return weights
+
+
+def _publish_rank(rank: int, world: int, a: argparse.Namespace, port: int, out: str) -> None:
+    """One rank of the --ranks run: rank 0 publishes --repeats + 1 versions, the others receive them."""
+    from distflow.pipeline.links import Links
+    from distflow.pipeline.weights import WeightPublisher, WeightReceiver
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = a.device == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    links = Links(dist.new_group(backend="gloo"), rank, timeout_s=300)  # announces, as a split run's
+    group = dist.new_group(backend="nccl" if cuda else "gloo")  # the weight group
+    if rank == 0:
+        weights, times = load(a.model, device, getattr(torch, a.dtype)), []
+        publisher = WeightPublisher(links, 0, list(range(1, world)), group, 300)
+        for version in range(a.repeats + 1):
+            t0 = time.perf_counter()
+            publisher.publish(weights.items(), version)
+            times.append(time.perf_counter() - t0)
+        Path(out).write_text(json.dumps({"times": times[1:], "sent_bytes": publisher.sent_bytes}))
+    else:
+        receiver = WeightReceiver(links, 0, group, device, 300)
+        for _ in range(a.repeats + 1):
+            for _name, _t in receiver.tensors(receiver.announce()):
+                pass
+    links.flush()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def publish_figures(a: argparse.Namespace, nbytes: int) -> dict:
+    """The --ranks run's seconds per version, per GiB, and GiB/s."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "publish.json")
+        torch.multiprocessing.spawn(_publish_rank, args=(a.ranks, a, port, out), nprocs=a.ranks)
+        got = json.loads(Path(out).read_text())
+    seconds, gib = statistics.median(got["times"]), nbytes / 2**30
+    return {"ranks": a.ranks, "receivers": a.ranks - 1, "publish_s": seconds, "publish_s_per_gib": seconds / gib,
+            "publish_gib_per_s": gib / seconds}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="a folder with the model's safetensors files")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--ranks", type=int, default=1, help=">= 2: also publish to ranks 1..R-1 (one device each)")
     p.add_argument("--out", default=None, help="write the figures here as JSON")
     a = p.parse_args()
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
-    weights = {}
-    for f in sorted(Path(a.model).glob("*.safetensors")):
-        weights.update({k: v.to(device=device, dtype=dtype) for k, v in load_file(f).items()})
     result = {"model": a.model, "dtype": a.dtype, "device": str(device), "repeats": a.repeats,
-              "bucket_bytes": BROADCAST_BUCKET_BYTES, **measure(weights, device, a.repeats)}
+              "bucket_bytes": BROADCAST_BUCKET_BYTES, **measure(load(a.model, device, dtype), device, a.repeats)}
+    if a.ranks >= 2:
+        result.update(publish_figures(a, result["bytes"]))
     print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()), flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -125,8 +125,9 @@ def test_dry_run_on_the_image_packages_plus_the_carried_ones_writes_every_figure
     figures = publish["publish"]
     assert figures["device"] == "cpu" and figures["dtype"] == "bfloat16" and figures["pinned"] is False
     assert figures["bytes"] > 0 and figures["buckets"] >= 1 and figures["tensors"] > 0
-    for part in ("pack", "stage_to_host", "host_to_device"):
+    for part in ("pack", "stage_to_host", "host_to_device", "publish"):  # publish: to a second rank, gloo
         assert figures[f"{part}_s"] > 0 and figures[f"{part}_s_per_gib"] > 0, (part, figures)
+    assert figures["ranks"] == 2 and figures["receivers"] == 1
     carry = result["runs"]["carryover_dry_run_bf16"]  # bench/carryover.py on the same packages
     assert carry["rc"] == 0 and [s["eta"] for s in carry["summary"]] == [0, 1, 3], carry.get("output_tail")
     assert carry["eta3_generate_ratio"] > 0 and isinstance(carry["goals_met"], bool)
