@@ -10,6 +10,9 @@ step and per-phase peak memory (bench/memory_hooks.py):
   vllm_tp2        two ranks, one tensor-parallel engine (rollout.tensor_parallel_size=2), when the
                   node has two GPUs
   lora_adapter    LoRA adapters resynced as an adapter (model.lora.resync=adapter)
+  split_2gpu      role-split ranks (pipeline=split): rank 0 trains, rank 1 generates, eta 1, versions
+                  staged in pinned host memory, the weights broadcast over NCCL between the two GPUs,
+                  when the node has two; its probe comes back from step 3 (the rollout rank's version)
 From each run's metrics.jsonl: the probe and the engine-vs-policy mismatch per step, the resync
 time; from rank 0's log (logs/rank_0.log, where vLLM's records go): its sleep and wake lines, so
 the engine is seen to sleep once per step and wake its weights and then its KV cache once per
@@ -79,8 +82,8 @@ def summarize(rows: list[dict], log: dict) -> dict:
     return out
 
 
-def problems(name: str, res: dict, expect_steps: int, sleeps: bool, dtype: str) -> list[str]:
-    """What is wrong with one run, as short phrases (none: it passed)."""
+def problems(name: str, res: dict, expect_steps: int, sleeps: bool | None, dtype: str) -> list[str]:
+    """What is wrong with one run, as short phrases (none: it passed); `sleeps` None: a split run."""
     if res.get("rc") != 0:
         return [f"{name} exited {res.get('rc')}"]
     bad = []
@@ -90,12 +93,14 @@ def problems(name: str, res: dict, expect_steps: int, sleeps: bool, dtype: str) 
     from distflow.probe import PROBE_LIMIT
 
     limit = PROBE_LIMIT[dtype]
-    probes = res["probe_per_step"]
-    if any(p is None or not p <= limit for p in probes):  # NaN fails too
-        bad.append(f"{name} probe {probes} not all <= {limit}")
+    probes = res["probe_per_step"][2:] if sleeps is None else res["probe_per_step"]  # split: from step 3
+    if not probes or any(p is None or not p <= limit for p in probes):  # NaN fails too
+        bad.append(f"{name} probe {res['probe_per_step']} not all <= {limit}")
     if any(m["abs_mean"] is None or m["kl"] is None for m in res["mismatch_per_step"]):
         bad.append(f"{name} mismatch missing on a step")
     n = res["steps"]
+    if sleeps is None:  # split: the trainer's engine sleeps at start and never generates; the rollout
+        return bad      # rank's engine never sleeps: rank 0's log holds no per-step lines to count
     counts = {k: len(res[k]) for k in ("sleep_s", "wake_weights_s", "wake_kv_cache_s")}
     want = n if sleeps else 0
     if any(c != want for c in counts.values()):
@@ -167,6 +172,9 @@ def main() -> int:
     if a.dry_run or gpus >= 2:
         plan.append(("vllm_tp2", 2, ["rollout.tensor_parallel_size=2"], True))
     plan.append(("lora_adapter", 1, ["model.lora.enabled=true", "model.lora.resync=adapter", "optim.lr=1e-3"], False))
+    if a.dry_run or gpus >= 2:
+        plan.append(("split_2gpu", 2, ["pipeline=split", "pipeline.rollout_ranks=1", "pipeline.max_staleness=1",
+                                       "pipeline.staging=host"], None))
     runs, failures = {}, []
     for name, nproc, extra, sleeps in plan:
         t0 = time.perf_counter()
@@ -177,7 +185,7 @@ def main() -> int:
         if rc != 0:
             res["output_tail"] = text[-4000:]
         runs[name] = res
-        failures += problems(name, res, a.steps, sleeps and not a.dry_run, dtype)
+        failures += problems(name, res, a.steps, sleeps if sleeps is None else sleeps and not a.dry_run, dtype)
     line = verdict(runs, failures)
     result = {"bench": "gpu_node_check", "dry_run": a.dry_run, "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
               "torch": torch.__version__, "gpus": gpus, "dtype": dtype, "verdict": line, "runs": runs}
