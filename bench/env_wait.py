@@ -43,7 +43,7 @@ def launch(args, variant: str, repeat: int, wd) -> dict:
     C.torchrun(C.GRPO, cmd, args.nproc, wd / f"{variant}_{repeat}.log")
     rows = C.read_metrics(out)[args.warmup:]
     return {**{k: [r[m] for r in rows] for k, m in KEYS.items()}, "tokens": [C.step_tokens(r) for r in rows],
-            "samples": [args.prompts_per_rank * args.group_size * trainers] * len(rows),
+            "samples_per_step": args.prompts_per_rank * args.group_size * trainers,
             "command": f"torchrun --standalone --nproc_per_node {args.nproc} recipes/grpo.py " + " ".join(cmd)}
 
 
@@ -51,10 +51,11 @@ def summary(launches: list[dict]) -> dict:
     """Means over every measured step of a variant's launches; samples and tokens per second over their
     summed step time (at eta 1 steps alternate between waiting for groups and finding them there, so a
     median step would pick one kind)."""
-    steps = {k: [x for run in launches for x in run[k]] for k in (*KEYS, "tokens", "samples")}
-    seconds = sum(steps["step_s"])
-    return {**{f"{k}_mean": statistics.fmean(steps[k]) for k in KEYS}, "steps": len(steps["step_s"]),
-            "samples_per_s": sum(steps["samples"]) / seconds, "tokens_per_s": sum(steps["tokens"]) / seconds,
+    steps = {k: [x for run in launches for x in run[k]] for k in (*KEYS, "tokens")}
+    seconds, n = sum(steps["step_s"]), len(steps["step_s"])
+    return {**{f"{k}_mean": statistics.fmean(steps[k]) for k in KEYS}, "steps": n,
+            "samples_per_s": launches[0]["samples_per_step"] * n / seconds,
+            "tokens_per_s": sum(steps["tokens"]) / seconds,
             "commands": [run["command"] for run in launches]}
 
 

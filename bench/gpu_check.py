@@ -312,10 +312,12 @@ def main() -> int:
             params = written[spec["shape"]]
             overrides.append(f"model.path={model_dir}")
         if "bench" in spec or "publish" in spec:  # a bench script of its own, on the same device
-            runs[name] = gpu_check_benches.carryover(
-                name, spec["bench"], [*overrides, *device, "model.dtype=bfloat16"], out, env, t_end - time.monotonic()
-            ) if "bench" in spec else gpu_check_benches.publish(name, model_dir, "cpu" if a.dry_run else "cuda", out,
-                                                                env, t_end - time.monotonic())
+            left = t_end - time.monotonic()
+            if "bench" in spec:
+                overrides += [*device, "model.dtype=bfloat16"]
+                runs[name] = gpu_check_benches.carryover(name, spec["bench"], overrides, out, env, left)
+            else:
+                runs[name] = gpu_check_benches.publish(name, model_dir, "cpu" if a.dry_run else "cuda", out, env, left)
             print(f"[gpu_check] {name}: rc={runs[name]['rc']}, {runs[name]['wall_s']:.0f} s", flush=True)
             continue
         rc, text, wall = launch(name, [*overrides, *device], out, env, t_end - time.monotonic())

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -33,6 +32,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+import common as C
 from distflow.config.pipeline import BROADCAST_BUCKET_BYTES
 from distflow.pipeline.weights import _buckets, _to_host
 
@@ -62,18 +62,15 @@ def measure(weights: dict[str, torch.Tensor], device: torch.device, repeats: int
     stage = _to_host if cuda else (lambda t: t.clone())
     back = (lambda t: t.to(device, non_blocking=True)) if cuda else (lambda t: t.clone())
     staged = [stage(t) for _, t in items]
-    def pack():
-        return [torch.cat([t.reshape(-1) for _, t in b]) for b in _buckets(items, BROADCAST_BUCKET_BYTES)]
-
+    buckets = list(_buckets(items, BROADCAST_BUCKET_BYTES))
     seconds = {
-        "pack": _timed(pack, device, repeats),
+        "pack": _timed(lambda: [torch.cat([t.reshape(-1) for _, t in b]) for b in buckets], device, repeats),
         "stage_to_host": _timed(lambda: [stage(t) for _, t in items], device, repeats),
         "host_to_device": _timed(lambda: [back(t) for t in staged], device, repeats),
     }
     gib = nbytes / 2**30
-    return {"bytes": nbytes, "tensors": len(items), "buckets": sum(1 for _ in _buckets(items, BROADCAST_BUCKET_BYTES)),
-            "pinned": device.type == "cuda", **{f"{k}_s": v for k, v in seconds.items()},
-            **{f"{k}_s_per_gib": v / gib for k, v in seconds.items()},
+    return {"bytes": nbytes, "tensors": len(items), "buckets": len(buckets), "pinned": cuda,
+            **{f"{k}_s": v for k, v in seconds.items()}, **{f"{k}_s_per_gib": v / gib for k, v in seconds.items()},
             **{f"{k}_gib_per_s": gib / v for k, v in seconds.items() if v > 0}}
 
 
@@ -104,7 +101,7 @@ def _publish_rank(rank: int, world: int, a: argparse.Namespace, port: int, out: 
             t0 = time.perf_counter()
             publisher.publish(weights.items(), version)
             times.append(time.perf_counter() - t0)
-        Path(out).write_text(json.dumps({"times": times[1:], "sent_bytes": publisher.sent_bytes}))
+        Path(out).write_text(json.dumps(times[1:]))
     else:
         receiver = WeightReceiver(links, 0, group, device, 300)
         for _ in range(a.repeats + 1):
@@ -117,14 +114,11 @@ def _publish_rank(rank: int, world: int, a: argparse.Namespace, port: int, out: 
 
 def publish_figures(a: argparse.Namespace, nbytes: int) -> dict:
     """The --ranks run's seconds per version, per GiB, and GiB/s."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "publish.json")
-        torch.multiprocessing.spawn(_publish_rank, args=(a.ranks, a, port, out), nprocs=a.ranks)
-        got = json.loads(Path(out).read_text())
-    seconds, gib = statistics.median(got["times"]), nbytes / 2**30
+        torch.multiprocessing.spawn(_publish_rank, args=(a.ranks, a, C.free_port(), out), nprocs=a.ranks)
+        times = json.loads(Path(out).read_text())
+    seconds, gib = statistics.median(times), nbytes / 2**30
     return {"ranks": a.ranks, "receivers": a.ranks - 1, "publish_s": seconds, "publish_s_per_gib": seconds / gib,
             "publish_gib_per_s": gib / seconds}
 
